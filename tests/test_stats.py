@@ -623,26 +623,22 @@ def test_layer_summary_none_cases():
     assert out["cv_Q"] is None
 
 
-# Known bug in embgeom.stats._least_squares: "constant" is tested as sxx <= 0 after
-# subtracting x.mean(), but the float mean of identical values need not equal them
-# (e.g. mean([0.1]*3) = 0.1 + 1.4e-17), so sxx is ~1e-33 > 0 and a garbage slope comes out
-# instead of None. strict=True: these flip to failures once the bug is fixed, so the
-# marker gets removed then.
-@pytest.mark.xfail(strict=True, reason="stats._least_squares: constant regressor with inexact mean")
+# The float mean of identical values need not equal them (mean([0.1]*3) = 0.1 + 1.4e-17),
+# so "constant" must not be tested as sxx <= 0 after centring: these pin that.
 @pytest.mark.parametrize("case", ["constant_M", "constant_n", "constant_V"])
 def test_layer_summary_none_cases_inexact_mean(case):
     if case == "constant_M":
-        M = np.full(3, 0.1)  # currently: slope 10.67, intercept 1.27, r2 0.0
+        M = np.full(3, 0.1)  # a naive sxx test gave slope 10.67, intercept 1.27, r2 0.0
         V = np.array([1.0, 2.0, 4.0])
         out = layer_summary([10, 20, 40], M + V, M, V)
         assert out["slope"] is None and out["intercept"] is None and out["r2"] is None
     elif case == "constant_n":
-        M = np.array([0.5, 1.0, 3.0])  # currently: slope_Q_log10n = -1.33
+        M = np.array([0.5, 1.0, 3.0])  # a naive sxx test gave slope_Q_log10n = -1.33
         Q = np.array([1.0, 2.0, 4.0])
         out = layer_summary([6, 6, 6], Q, M, Q - M)
         assert out["slope_Q_log10n"] is None
     else:
-        V = np.full(3, 0.7)  # currently: r2 = -2.2e-16 (negative)
+        V = np.full(3, 0.7)  # a naive test gave r2 = -2.2e-16
         M = np.array([1.0, 2.0, 4.0])
         out = layer_summary([10, 20, 40], M + V, M, V)
         assert out["r2"] is None
