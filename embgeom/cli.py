@@ -1,0 +1,106 @@
+"""The ``embgeom`` command: ``serve``, ``worker`` and ``ingest``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+__all__ = ["main"]
+
+
+def _serve(args) -> int:
+    import uvicorn
+
+    from embgeom.settings import Settings
+    from service.app import create_app
+
+    overrides = {}
+    if args.data_dir is not None:
+        overrides["data_dir"] = Path(args.data_dir)
+    if args.redis_url is not None:
+        overrides["redis_url"] = args.redis_url
+    settings = Settings(**overrides)
+    app = create_app(settings)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=30)
+    return 0
+
+
+def _worker(args) -> int:
+    from embgeom.settings import Settings
+    from embgeom.worker import Worker, redis_client
+
+    overrides = {"redis_url": args.redis_url}
+    if args.models:
+        overrides["worker_models"] = args.models
+    settings = Settings(**overrides)
+    if not settings.redis_url:
+        print("embgeom worker needs --redis-url or EMBGEOM_REDIS_URL", file=sys.stderr)
+        return 2
+    worker = Worker(redis_client(settings.redis_url), settings, worker_id=args.worker_id)
+
+    def _stop(signum, frame):
+        logging.getLogger(__name__).info("signal %s: finishing the current job", signum)
+        worker.request_stop(grace_seconds=args.grace)
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    worker.run()
+    return 0
+
+
+def _ingest(args) -> int:
+    from embgeom.client import ingest_file
+
+    return ingest_file(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="embgeom", description=__doc__)
+    parser.add_argument("--log-level", default=os.environ.get("EMBGEOM_LOG_LEVEL", "info"))
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the HTTP service (embedded Redis + worker by default)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8080)
+    serve.add_argument("--data-dir", default=None, help="embedded Redis data (default ./data)")
+    serve.add_argument("--redis-url", default=None,
+                       help="production mode: serve HTTP and enqueue only (also EMBGEOM_REDIS_URL)")
+    serve.set_defaults(func=_serve)
+
+    worker = sub.add_parser("worker", help="process jobs from a Redis")
+    worker.add_argument("--redis-url", default=os.environ.get("EMBGEOM_REDIS_URL"))
+    worker.add_argument("--models", default=None, help="comma-separated aliases to serve (default all)")
+    worker.add_argument("--worker-id", default=None)
+    worker.add_argument("--grace", type=float, default=30.0,
+                        help="seconds to finish the current job after SIGTERM before handing it back")
+    worker.set_defaults(func=_worker)
+
+    ingest = sub.add_parser("ingest", help="send a text file (one text per line) in jobs and wait")
+    ingest.add_argument("file", help="text file, one text per line ('-' for stdin)")
+    ingest.add_argument("--model", default="minilm")
+    ingest.add_argument("--collection", default="default")
+    ingest.add_argument("--url", default=os.environ.get("EMBGEOM_URL", "http://127.0.0.1:8080"))
+    ingest.add_argument("--texts-per-job", type=int, default=1000)
+    ingest.add_argument("--include-special", action="store_true")
+    ingest.add_argument("--api-key", default=os.environ.get("EMBGEOM_API_KEY"))
+    ingest.add_argument("--no-wait", action="store_true", help="submit and return")
+    ingest.add_argument("--quiet", action="store_true", help="no progress bar")
+    ingest.set_defaults(func=_ingest)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

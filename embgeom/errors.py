@@ -1,0 +1,70 @@
+"""Errors of the library, each with a stable machine-readable ``type``.
+
+The web layer maps types to HTTP status codes in one place (``service/errors.py``);
+the library never speaks HTTP.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "EmbgeomError", "InvalidInput", "UnknownModel", "ModelLoadError", "NotFound",
+    "Overloaded", "StoreUnavailable", "JobFenced",
+]
+
+
+class EmbgeomError(Exception):
+    """Base class: ``type`` is stable, ``message`` is for humans, ``detail`` is data."""
+
+    type = "internal_error"
+
+    def __init__(self, message: str, **detail: Any):
+        super().__init__(message)
+        self.message = message
+        self.detail = detail
+
+
+class InvalidInput(EmbgeomError):
+    type = "invalid_input"
+
+    def __init__(self, message: str, type: str = "invalid_input", **detail: Any):
+        super().__init__(message, **detail)
+        self.type = type
+
+
+class UnknownModel(EmbgeomError):
+    type = "unknown_model"
+
+    def __init__(self, name: str, known: list[str]):
+        super().__init__(f"unknown model alias {name!r}; configured: {', '.join(known)}",
+                         model=name, known=known)
+
+
+class ModelLoadError(EmbgeomError):
+    type = "model_unavailable"
+
+    def __init__(self, name: str, reason: str):
+        super().__init__(f"model {name!r} could not be loaded: {reason}", model=name)
+
+
+class NotFound(EmbgeomError):
+    """Something addressed by the request does not exist; ``type`` says what."""
+
+    def __init__(self, type: str, message: str, **detail: Any):
+        super().__init__(message, **detail)
+        self.type = type
+
+
+class Overloaded(EmbgeomError):
+    type = "overloaded"
+
+
+class StoreUnavailable(EmbgeomError):
+    type = "store_unavailable"
+
+
+class JobFenced(EmbgeomError):
+    """A worker lost its lease on a job: another worker now owns it."""
+
+    type = "job_fenced"

@@ -1,0 +1,244 @@
+"""Durable jobs on Redis Streams: submission, status, delivery, retries, dead letters.
+
+One stream per model (``eg:jobs:<model>``), one consumer group ``workers``. A stream
+entry carries only a job id; the texts wait in the pair's payload key and the status in
+the pair's job hash (see :mod:`embgeom.keys`). A delivery bumps the job's ``epoch``:
+only the newest delivery may commit it (fencing a worker that wakes up late). Entries
+are acknowledged and deleted once the job is committed or dead-lettered, so a stream's
+length is the number of pending jobs.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import redis
+
+from embgeom import keys as K
+from embgeom.errors import NotFound, Overloaded
+
+__all__ = ["JobRequest", "Delivery", "JobQueue"]
+
+TERMINAL = ("done", "failed")
+
+
+@dataclass(frozen=True)
+class JobRequest:
+    collection: str
+    model: str
+    texts: Sequence[str]
+    include_special: bool = False
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """A job handed to a worker: ``epoch`` fences its commit."""
+
+    job_id: str
+    entry_id: bytes
+    stream: str
+    pair: K.PairKeys
+    epoch: int
+    attempts: int
+    include_special: bool
+    texts: list
+
+
+def _now() -> float:
+    return time.time()
+
+
+class JobQueue:
+    def __init__(self, client: redis.Redis, max_attempts: int = 3, max_pending: int = 10000,
+                 idempotency_ttl: int = 7 * 24 * 3600):
+        self.r = client
+        self.max_attempts = max_attempts
+        self.max_pending = max_pending
+        self.idempotency_ttl = idempotency_ttl
+        self._groups: set[str] = set()
+
+    # ------------------------------------------------------------- submission
+    def ensure_group(self, stream: str) -> None:
+        if stream in self._groups:
+            return
+        try:
+            self.r.xgroup_create(stream, K.GROUP, id="0", mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+        self._groups.add(stream)
+
+    def pending(self, models: Sequence[str]) -> int:
+        """Jobs queued or running (their stream entries are deleted when they end)."""
+        with self.r.pipeline(transaction=False) as p:
+            for m in models:
+                p.xlen(K.stream(m))
+            return sum(p.execute())
+
+    def submit(self, request: JobRequest, models: Sequence[str],
+               idempotency_key: Optional[str] = None) -> tuple[str, bool]:
+        """Enqueue a job; returns ``(job_id, created)``.
+
+        The job hash, its payload and its stream entry are written in one MULTI, so an
+        acknowledged job is never half-enqueued. With an idempotency key, the same key
+        returns the first job and enqueues nothing.
+        """
+        if idempotency_key is not None:
+            existing = self.r.get(K.idempotency(idempotency_key))
+            if existing is not None:
+                return existing.decode(), False
+        if self.pending(models) >= self.max_pending:
+            raise Overloaded(f"{self.max_pending} jobs are pending; retry later",
+                             max_pending=self.max_pending)
+        pair = K.PairKeys(request.collection, request.model)
+        job_id = uuid.uuid4().hex
+        stream = K.stream(request.model)
+        self.ensure_group(stream)
+        if idempotency_key is not None:
+            # Claim the key first: of two racing requests with one key, one job wins.
+            if not self.r.set(K.idempotency(idempotency_key), job_id, nx=True, ex=self.idempotency_ttl):
+                return self.r.get(K.idempotency(idempotency_key)).decode(), False
+        gen = int(self.r.get(pair.gen) or b"0")
+        payload = json.dumps(list(request.texts), ensure_ascii=False)
+        with self.r.pipeline(transaction=True) as p:
+            p.hset(pair.job(job_id), mapping={
+                "job_id": job_id, "collection": request.collection, "model": request.model,
+                "status": "queued", "texts": len(request.texts), "tokens": 0, "progress": 0.0,
+                "bytes": len(payload.encode()), "error": "", "attempts": 0, "epoch": 0,
+                "worker": "", "gen": gen, "include_special": int(request.include_special),
+                "created_at": repr(_now()), "idempotency_key": idempotency_key or "",
+            })
+            p.set(pair.payload(job_id), payload)
+            p.set(K.jobref(job_id), pair.pair)
+            p.sadd(K.PAIRS, pair.pair)
+            p.xadd(stream, {"job_id": job_id, "pair": pair.pair})
+            p.execute()
+        return job_id, True
+
+    # ----------------------------------------------------------------- status
+    def status(self, job_id: str) -> dict:
+        ref = self.r.get(K.jobref(job_id))
+        if ref is None:
+            raise NotFound("job_not_found", f"no job {job_id!r}", job_id=job_id)
+        pair = K.PairKeys(*K.split_pair(ref.decode()))
+        raw = self.r.hgetall(pair.job(job_id))
+        if not raw:
+            raise NotFound("job_not_found", f"no job {job_id!r}", job_id=job_id)
+        job = {k.decode(): v.decode() for k, v in raw.items()}
+        return {
+            "job_id": job_id,
+            "status": job["status"],
+            "collection": job["collection"],
+            "model": job["model"],
+            "texts": int(job["texts"]),
+            "tokens": int(job.get("tokens", 0)),
+            "progress": float(job.get("progress", 0.0)),
+            "error": job.get("error") or None,
+            "attempts": int(job.get("attempts", 0)),
+            "worker": job.get("worker") or None,
+            "include_special": bool(int(job.get("include_special", 0))),
+            "created_at": float(job["created_at"]),
+            "started_at": float(job["started_at"]) if job.get("started_at") else None,
+            "finished_at": float(job["finished_at"]) if job.get("finished_at") else None,
+        }
+
+    # --------------------------------------------------------------- delivery
+    def take(self, worker_id: str, models: Sequence[str], lease_seconds: float,
+             block_ms: int = 1000) -> Optional[Delivery]:
+        """Next job for this worker: a silent worker's expired job first, then a new one."""
+        streams = [K.stream(m) for m in models]
+        for stream in streams:
+            self.ensure_group(stream)
+        for stream in streams:
+            _, claimed, *_ = self.r.xautoclaim(
+                stream, K.GROUP, worker_id, min_idle_time=int(lease_seconds * 1000),
+                start_id="0-0", count=1,
+            )
+            if claimed:
+                entry_id, fields = claimed[0]
+                if fields:  # an entry deleted meanwhile comes back empty
+                    return self._deliver(worker_id, stream, entry_id, fields)
+                self.r.xack(stream, K.GROUP, entry_id)
+        got = self.r.xreadgroup(K.GROUP, worker_id, {s: ">" for s in streams}, count=1, block=block_ms)
+        for stream, entries in got or []:
+            for entry_id, fields in entries:
+                return self._deliver(worker_id, stream.decode(), entry_id, fields)
+        return None
+
+    def own_pending(self, worker_id: str, models: Sequence[str]) -> Optional[Delivery]:
+        """A job this worker id was given before and has not finished (after a reconnect)."""
+        streams = [K.stream(m) for m in models]
+        for stream in streams:
+            self.ensure_group(stream)
+        got = self.r.xreadgroup(K.GROUP, worker_id, {s: "0" for s in streams}, count=1)
+        for stream, entries in got or []:
+            for entry_id, fields in entries:
+                if fields:
+                    return self._deliver(worker_id, stream.decode(), entry_id, fields)
+                self.r.xack(stream, K.GROUP, entry_id)
+        return None
+
+    def _deliver(self, worker_id: str, stream: str, entry_id: bytes, fields: dict) -> Optional[Delivery]:
+        job_id = fields[b"job_id"].decode()
+        pair = K.PairKeys(*K.split_pair(fields[b"pair"].decode()))
+        job_key = pair.job(job_id)
+        with self.r.pipeline(transaction=True) as p:
+            p.hincrby(job_key, "epoch", 1)
+            p.hincrby(job_key, "attempts", 1)
+            p.hget(job_key, "status")
+            p.hget(job_key, "include_special")
+            p.get(pair.payload(job_id))
+            p.sismember(pair.committed, job_id)
+            p.hget(job_key, "error")
+            epoch, attempts, status, include_special, payload, committed, error = p.execute()
+        if committed or (status or b"").decode() in TERMINAL or payload is None:
+            # Finished before (its ack was lost in a crash): acknowledge, count nothing.
+            self.ack(stream, entry_id)
+            return None
+        if attempts > self.max_attempts:
+            last = (error or b"").decode() or "the worker stopped while running it"
+            self.fail(pair, job_id, stream, entry_id,
+                      f"gave up after {attempts - 1} attempts; last error: {last}")
+            return None
+        self.r.hset(job_key, mapping={"status": "running", "worker": worker_id,
+                                      "started_at": repr(_now())})
+        return Delivery(job_id, entry_id, stream, pair, int(epoch), int(attempts),
+                        bool(int(include_special or 0)), json.loads(payload))
+
+    def refresh(self, delivery: Delivery, worker_id: str) -> None:
+        """Reset the entry's idle time so no other worker takes it over (heartbeat)."""
+        self.r.xclaim(delivery.stream, K.GROUP, worker_id, min_idle_time=0,
+                      message_ids=[delivery.entry_id], justid=True)
+
+    def progress(self, delivery: Delivery, fraction: float, tokens: int) -> None:
+        self.r.hset(delivery.pair.job(delivery.job_id),
+                    mapping={"progress": round(fraction, 4), "tokens": tokens})
+
+    def ack(self, stream: str, entry_id: bytes) -> None:
+        with self.r.pipeline(transaction=True) as p:
+            p.xack(stream, K.GROUP, entry_id)
+            p.xdel(stream, entry_id)
+            p.execute()
+
+    def retry_later(self, delivery: Delivery, error: str) -> None:
+        """A failed attempt: record the error and put the job back at the end of the queue."""
+        with self.r.pipeline(transaction=True) as p:
+            p.hset(delivery.pair.job(delivery.job_id), mapping={"status": "queued", "error": error})
+            p.xack(delivery.stream, K.GROUP, delivery.entry_id)
+            p.xdel(delivery.stream, delivery.entry_id)
+            p.xadd(delivery.stream, {"job_id": delivery.job_id, "pair": delivery.pair.pair})
+            p.execute()
+
+    def fail(self, pair: K.PairKeys, job_id: str, stream: str, entry_id: bytes, error: str) -> None:
+        """Dead-letter a job: failed with its error, payload dropped, entry acknowledged."""
+        with self.r.pipeline(transaction=True) as p:
+            p.hset(pair.job(job_id), mapping={"status": "failed", "error": error,
+                                              "finished_at": repr(_now())})
+            p.delete(pair.payload(job_id))
+            p.xack(stream, K.GROUP, entry_id)
+            p.xdel(stream, entry_id)
+            p.execute()

@@ -1,0 +1,225 @@
+"""What the read endpoints answer: a consistent snapshot from the store, then the math.
+
+Each function reads once (one MULTI, see :mod:`embgeom.store`), computes with
+:mod:`embgeom.stats`, and returns plain dicts with an ``as_of`` telling how fresh the
+snapshot is.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from typing import Optional, Sequence
+
+import numpy as np
+
+from embgeom import keys as K
+from embgeom.errors import InvalidInput, NotFound
+from embgeom.stats import layer_summary
+from embgeom.store import AccumulatorStore, AsOf, LayerGlobal, LayerScalars
+
+__all__ = [
+    "CountFilter", "layer_rows", "token_page", "token_detail", "self_similarity",
+]
+
+ORDER_FIELDS = ("n", "Q", "M", "V")
+
+
+class CountFilter:
+    """Token types with ``min_count <= n_t <= max_count`` (None: no upper bound)."""
+
+    def __init__(self, min_count: int = 1, max_count: Optional[int] = None):
+        if min_count < 1:
+            raise InvalidInput("min_count must be >= 1", type="invalid_filter")
+        if max_count is not None and max_count < min_count:
+            raise InvalidInput("max_count must be >= min_count", type="invalid_filter")
+        self.min_count = min_count
+        self.max_count = max_count
+
+    @property
+    def is_everything(self) -> bool:
+        return self.min_count <= 1 and self.max_count is None
+
+    def mask(self, n: np.ndarray) -> np.ndarray:
+        keep = n >= self.min_count
+        if self.max_count is not None:
+            keep &= n <= self.max_count
+        return keep
+
+    def to_dict(self) -> dict:
+        return {"min_count": self.min_count, "max_count": self.max_count}
+
+
+def _as_of(meta: Optional[dict]) -> dict:
+    return AsOf(meta["version"], meta["updated_at"]).to_dict() if meta else {"version": 0, "updated_at": None}
+
+
+def _none_if_nan(x) -> Optional[float]:
+    if x is None:
+        return None
+    x = float(x)
+    return None if not np.isfinite(x) else x
+
+
+def _empty_decomposition(layer: int) -> dict:
+    return {"layer": layer, "n": 0, "num_types": 0,
+            "Q": None, "M": None, "V": None, "V_W": None, "V_B": None}
+
+
+def _from_global(layer: int, g: LayerGlobal, num_types: int) -> dict:
+    """O(d): Q = m2/n + ||mean||^2, V_W = within/n, V_B = V - V_W."""
+    if g.n == 0:
+        return _empty_decomposition(layer)
+    M = float(g.mean @ g.mean)
+    V = g.m2 / g.n
+    V_W = g.within / g.n
+    return {"layer": layer, "n": g.n, "num_types": num_types,
+            "Q": M + V, "M": M, "V": V, "V_W": V_W, "V_B": V - V_W}
+
+
+def _filtered(layer: int, s: LayerScalars, means: np.ndarray, keep: np.ndarray) -> dict:
+    """Decomposition over the kept token types, from their scalars and means.
+
+    ``mu = sum n_t mu_t / n``; ``V_W = sum m2_t / n``; ``V_B = sum n_t ||mu_t - mu||^2 / n``.
+    """
+    n_t = s.n[keep]
+    if n_t.size == 0:
+        return _empty_decomposition(layer)
+    n = float(n_t.sum())
+    mean_t = means[keep]
+    mu = (n_t[:, None] * mean_t).sum(axis=0) / n
+    dev = mean_t - mu
+    V_B = float((n_t * np.einsum("ki,ki->k", dev, dev)).sum() / n)
+    V_W = float(s.m2[keep].sum() / n)
+    M = float(mu @ mu)
+    return {"layer": layer, "n": int(n), "num_types": int(n_t.size),
+            "Q": M + V_W + V_B, "M": M, "V": V_W + V_B, "V_W": V_W, "V_B": V_B}
+
+
+def layer_rows(store: AccumulatorStore, pair: K.PairKeys, layers: Sequence[int],
+               count_filter: CountFilter, with_summary: bool = True) -> tuple[list[dict], dict]:
+    """Decomposition (and the per-layer summary) of each layer.
+
+    Unfiltered decompositions cost O(d) per layer (maintained aggregates); a count
+    filter scans the token types. The summary (cv_Q, slope, r2, ...) always scans the
+    per-token scalars of the filtered types.
+    """
+    layers = list(layers)
+    rows: dict[int, dict] = {}
+    if count_filter.is_everything:
+        meta, globs, types = store.globals(pair, layers)
+        rows = {l: _from_global(l, globs[l], types[l]) for l in layers}
+        scal_meta, scalars = store.scalars(pair, layers) if with_summary else (meta, {})
+        # The summary must describe the same snapshot as the decomposition.
+        if with_summary and scal_meta and meta and scal_meta["version"] != meta["version"]:
+            return layer_rows(store, pair, layers, count_filter, with_summary)
+    else:
+        meta, means = store.token_means(pair, layers)
+        scalars = {}
+        for l in layers:
+            ids, n, m2, mean = means[l]
+            M = np.einsum("ki,ki->k", mean, mean) if len(ids) else np.zeros(0)
+            scalars[l] = LayerScalars(ids=ids, n=n, M=M, m2=m2)
+            rows[l] = _filtered(l, scalars[l], mean, count_filter.mask(n))
+    if with_summary:
+        for l in layers:
+            s = scalars[l]
+            keep = count_filter.mask(s.n)
+            summary = layer_summary(s.n[keep], s.Q[keep], s.M[keep], s.V[keep]) if keep.any() \
+                else layer_summary(np.zeros(0), np.zeros(0), np.zeros(0), np.zeros(0))
+            rows[l].update(summary)
+            q = rows[l]["Q"]
+            for name in ("M", "V_W", "V_B"):
+                rows[l][f"{name}/Q"] = (rows[l][name] / q) if q else None
+            v = rows[l]["V"]
+            rows[l]["V_W/V"] = (rows[l]["V_W"] / v) if v else None
+    return [rows[l] for l in layers], _as_of(meta)
+
+
+# ------------------------------------------------------------------ tokens
+
+def _encode_cursor(payload: dict) -> str:
+    return base64.urlsafe_b64encode(json.dumps(payload).encode()).decode().rstrip("=")
+
+
+def _decode_cursor(cursor: str) -> dict:
+    try:
+        padded = cursor + "=" * (-len(cursor) % 4)
+        payload = json.loads(base64.urlsafe_b64decode(padded.encode()))
+        if not isinstance(payload, dict) or "v" not in payload or "id" not in payload:
+            raise ValueError
+        return payload
+    except (ValueError, TypeError):
+        raise InvalidInput("cursor is not one this service issued", type="invalid_cursor") from None
+
+
+def self_similarity(unit_sum: Optional[np.ndarray], n: int) -> Optional[float]:
+    """Mean cosine between distinct occurrences: (||U_t||^2 - n)/(n(n-1)) (Ethayarajh 2019)."""
+    if unit_sum is None or n < 2:
+        return None
+    return float((unit_sum @ unit_sum - n) / (n * (n - 1)))
+
+
+def token_page(store: AccumulatorStore, pair: K.PairKeys, layer: int, tokenizer,
+               order_by: str = "n", desc: bool = True, limit: int = 100,
+               cursor: Optional[str] = None, count_filter: Optional[CountFilter] = None,
+               token_id: Optional[int] = None) -> dict:
+    """One page of per-token stats, ordered by ``order_by`` then token id (keyset cursor).
+
+    The cursor holds the last (value, id) served, so pages stay disjoint even while
+    new commits land between requests.
+    """
+    if order_by not in ORDER_FIELDS:
+        raise InvalidInput(f"order_by must be one of {', '.join(ORDER_FIELDS)}", type="invalid_order")
+    count_filter = count_filter or CountFilter()
+    meta, scalars = store.scalars(pair, [layer])
+    s = scalars[layer]
+    keep = count_filter.mask(s.n)
+    if token_id is not None:
+        keep &= s.ids == token_id
+    ids = s.ids[keep]
+    values = {"n": s.n[keep], "Q": s.Q[keep], "M": s.M[keep], "V": s.V[keep]}
+    key = values[order_by]
+    sign = -1.0 if desc else 1.0
+    order = np.lexsort((ids, sign * key))
+    if cursor is not None:
+        c = _decode_cursor(cursor)
+        last_v, last_id = sign * float(c["v"]), int(c["id"])
+        sk = sign * key[order]
+        after = (sk > last_v) | ((sk == last_v) & (ids[order] > last_id))
+        order = order[after]
+    page = order[:limit]
+    page_ids = ids[page]
+    _, records = store.token_records(pair, layer, page_ids.tolist())
+    strings = tokenizer.convert_ids_to_tokens(page_ids.tolist()) if len(page_ids) else []
+    tokens = []
+    for j, i in enumerate(page):
+        rec = records[j]
+        n = int(values["n"][i])
+        tokens.append({
+            "token_id": int(ids[i]), "token": strings[j], "n": n,
+            "Q": float(values["Q"][i]), "M": float(values["M"][i]), "V": float(values["V"][i]),
+            "self_similarity": self_similarity(rec[3] if rec else None, n),
+        })
+    next_cursor = None
+    if len(order) > limit and len(page):
+        last = page[-1]
+        next_cursor = _encode_cursor({"v": float(key[last]), "id": int(ids[last])})
+    return {"layer": layer, "tokens": tokens, "next_cursor": next_cursor,
+            "total": int(keep.sum()), "as_of": _as_of(meta)}
+
+
+def token_detail(store: AccumulatorStore, pair: K.PairKeys, layer: int, token_id: int, tokenizer) -> dict:
+    meta, records = store.token_records(pair, layer, [token_id])
+    rec = records[0] if records else None
+    if rec is None:
+        raise NotFound("token_not_found",
+                       f"token {token_id} was never seen at layer {layer} of this collection",
+                       token_id=token_id)
+    n, m2, mean, unit = rec
+    M = float(mean @ mean)
+    V = m2 / n
+    return {"layer": layer, "token_id": int(token_id),
+            "token": tokenizer.convert_ids_to_tokens(int(token_id)),
+            "n": n, "Q": M + V, "M": M, "V": V,
+            "self_similarity": self_similarity(unit, n), "as_of": _as_of(meta)}

@@ -1,0 +1,124 @@
+"""Every knob of the service and the workers, in one pydantic-settings class.
+
+Each field is read from an environment variable ``EMBGEOM_<FIELD>`` (for example
+``EMBGEOM_REDIS_URL``, ``EMBGEOM_TOKEN_BUDGET``) or a ``.env`` file, and checked at
+start-up.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+__all__ = ["ModelSource", "Settings"]
+
+
+class ModelSource(BaseModel):
+    """Where one model alias comes from.
+
+    ``source`` is ``package:<name>`` for a model installed from a pip package
+    (``package:minilm``, ``package:mpnet``, ``package:smollm2``), a local folder, or a
+    Hugging Face id already in the local cache. ``gguf_file`` names the GGUF file inside
+    the source for quantised checkpoints.
+    """
+
+    source: str
+    gguf_file: Optional[str] = None
+    description: str = ""
+
+
+BUILTIN_MODELS: dict[str, ModelSource] = {
+    "minilm": ModelSource(
+        source="package:minilm",
+        description="sentence-transformers/all-MiniLM-L6-v2 (BERT, post-LN, 6 layers, 384-d)",
+    ),
+    "mpnet": ModelSource(
+        source="package:mpnet",
+        description="sentence-transformers/all-mpnet-base-v2 (MPNet, post-LN, 12 layers, 768-d)",
+    ),
+    "smollm2": ModelSource(
+        source="package:smollm2",
+        description="HuggingFaceTB/SmolLM2-135M-Instruct (Llama, pre-RMSNorm, 30 layers, 576-d)",
+    ),
+}
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="EMBGEOM_", env_file=".env", extra="ignore")
+
+    # Storage and queue
+    redis_url: Optional[str] = Field(
+        None, description="Redis to use; unset starts an embedded Redis in data_dir"
+    )
+    data_dir: Path = Field(Path("data"), description="Folder of the embedded Redis")
+    cache_dir: Path = Field(
+        Path.home() / ".cache" / "embgeom", description="Unpacked/converted packaged models"
+    )
+
+    # Models
+    models: dict[str, ModelSource] = Field(
+        default_factory=dict, description="Extra or overriding aliases, as JSON"
+    )
+    models_file: Optional[Path] = Field(None, description="JSON file of aliases -> sources")
+    device: Optional[str] = Field(None, description="torch device; default cuda if present")
+    max_loaded_models: int = Field(2, ge=1, description="LRU bound on models held in memory")
+    max_model_memory_mb: Optional[int] = Field(
+        None, ge=1, description="Also evict while loaded parameters exceed this"
+    )
+    worker_models: Optional[list[str]] = Field(
+        None, description="Pin workers to these aliases (comma-separated or JSON list)"
+    )
+
+    # Batching and limits
+    token_budget: int = Field(16384, ge=16, description="Padded tokens per forward batch")
+    max_window_tokens: Optional[int] = Field(
+        None, ge=8, description="Cap on the window length (default: the model's maximum)"
+    )
+    max_job_texts: int = Field(10000, ge=1000, description="Texts one job may carry")
+    max_job_bytes: int = Field(
+        10_000_000, ge=1_000_000, description="UTF-8 bytes of text one job may carry"
+    )
+    max_pending_jobs: int = Field(
+        10000, ge=1, description="Queued+running jobs beyond which POST /v1/jobs answers 429"
+    )
+    max_sync_texts: int = Field(
+        2000, ge=1, description="Texts a synchronous request (probe, isotropy sample) may carry"
+    )
+
+    # Access
+    api_key: Optional[str] = Field(None, description="Bearer token required on /v1 when set")
+
+    # Workers
+    embedded_workers: int = Field(1, ge=0, description="In-process workers when embedded")
+    lease_seconds: float = Field(
+        60.0, gt=0, description="A job idle this long is taken over from a silent worker"
+    )
+    heartbeat_seconds: float = Field(2.0, gt=0, description="Worker heartbeat period")
+    max_attempts: int = Field(3, ge=1, description="Deliveries before a job is dead-lettered")
+    idempotency_ttl_seconds: int = Field(7 * 24 * 3600, ge=1)
+
+    @field_validator("worker_models", mode="before")
+    @classmethod
+    def _split_csv(cls, value):
+        if isinstance(value, str) and not value.strip().startswith("["):
+            return [v.strip() for v in value.split(",") if v.strip()]
+        return value
+
+    @model_validator(mode="after")
+    def _check(self) -> "Settings":
+        if self.max_window_tokens is not None and self.max_window_tokens > self.token_budget:
+            raise ValueError("token_budget must hold one window of max_window_tokens")
+        return self
+
+    def model_sources(self) -> dict[str, ModelSource]:
+        """Built-in aliases, overridden by ``models_file`` then by ``models``."""
+        sources = dict(BUILTIN_MODELS)
+        if self.models_file is not None:
+            raw = json.loads(Path(self.models_file).read_text())
+            sources.update({k: ModelSource.model_validate(v) for k, v in raw.items()})
+        sources.update(self.models)
+        return sources

@@ -1,0 +1,43 @@
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+from fastapi import APIRouter, Header
+
+from embgeom.errors import InvalidInput
+from embgeom.queue import JobRequest
+from service.deps import RuntimeDep
+from service.schemas import ErrorBody, JobCreate, JobCreated, JobStatus
+
+router = APIRouter(prefix="/v1", tags=["jobs"])
+
+
+@router.post("/jobs", status_code=202, response_model=JobCreated,
+             responses={404: {"model": ErrorBody}, 413: {"model": ErrorBody},
+                        422: {"model": ErrorBody}, 429: {"model": ErrorBody}})
+def create_job(
+    body: JobCreate,
+    rt: RuntimeDep,
+    idempotency_key: Annotated[Optional[str], Header(max_length=200)] = None,
+) -> dict:
+    """Queue texts for ingestion into a collection. The same ``Idempotency-Key`` returns
+    the first job and is counted once."""
+    rt.registry.source(body.model)  # unknown alias -> 404 unknown_model
+    limits = rt.settings
+    if len(body.texts) > limits.max_job_texts:
+        raise InvalidInput(f"{len(body.texts)} texts exceed the limit of {limits.max_job_texts} per job",
+                           type="payload_too_large", limit=limits.max_job_texts)
+    size = sum(len(t.encode()) for t in body.texts)
+    if size > limits.max_job_bytes:
+        raise InvalidInput(f"{size} bytes of text exceed the limit of {limits.max_job_bytes} per job",
+                           type="payload_too_large", limit=limits.max_job_bytes)
+    job_id, _ = rt.queue.submit(
+        JobRequest(body.collection, body.model, body.texts, body.include_special),
+        rt.registry.names(), idempotency_key,
+    )
+    return {"job_id": job_id, "status": rt.queue.status(job_id)["status"]}
+
+
+@router.get("/jobs/{job_id}", response_model=JobStatus, responses={404: {"model": ErrorBody}})
+def get_job(job_id: str, rt: RuntimeDep) -> dict:
+    return rt.queue.status(job_id)

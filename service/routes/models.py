@@ -1,0 +1,32 @@
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from embgeom.errors import ModelLoadError
+from embgeom.worker import live_workers
+from service.deps import RuntimeDep
+from service.schemas import ModelOut
+
+router = APIRouter(prefix="/v1", tags=["models"])
+
+
+@router.get("/models", response_model=list[ModelOut])
+def list_models(rt: RuntimeDep) -> list[dict]:
+    """The configured aliases; ``loaded`` is true when a live worker holds the model."""
+    loaded = {m for w in live_workers(rt.redis, 3 * rt.settings.heartbeat_seconds + 2)
+              for m in w.get("loaded", [])}
+    out = []
+    for name in rt.registry.names():
+        source = rt.registry.source(name).source
+        try:
+            info = rt.registry.info(name)
+        except ModelLoadError as exc:
+            out.append({"name": name, "source": source, "architecture": None, "num_layers": None,
+                        "hidden_size": None, "vocab_size": None, "loaded": False,
+                        "available": False, "error": exc.message})
+            continue
+        out.append({"name": name, "source": source, "architecture": info.architecture,
+                    "num_layers": info.num_layers, "hidden_size": info.hidden_size,
+                    "vocab_size": info.vocab_size, "max_length": info.max_length,
+                    "loaded": name in loaded, "available": True})
+    return out
