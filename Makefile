@@ -82,6 +82,7 @@ models: setup
 		[print(k, v["source"]() if callable(v["source"]) else v["source"]) for k, v in sources.packaged_models(c).items()]'
 
 openapi: setup
+	mkdir -p openapi
 	$(OFFLINE) $(VPY) -m service.openapi_export
 
 clean:
