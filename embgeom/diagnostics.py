@@ -45,6 +45,7 @@ __all__ = [
     "self_similarity",
     "top_eigenvalue_ratio",
     "transform_covariance",
+    "transform_points",
 ]
 
 # Eigenvalues of a positive semi-definite matrix computed in float64 come out negative by
@@ -682,11 +683,53 @@ def transform_covariance(cov, transform) -> np.ndarray:
         raise ValueError(f"abtt:{t.components} must remove fewer components than d = {d}")
     if t.components == 0:
         return c
-    _, vecs = np.linalg.eigh(c)
-    top = vecs[:, ::-1][:, : t.components]
-    p = np.eye(d) - top @ top.T
+    p = _projection_off_top(c, t.components)
     out = p @ c @ p
     return (out + out.T) / 2.0
+
+
+def _projection_off_top(c: np.ndarray, components: int) -> np.ndarray:
+    """``P = I - sum_{i<D} u_i u_i^T`` for the top ``D`` eigenvectors of ``c``."""
+    d = c.shape[0]
+    if components == 0:
+        return np.eye(d)
+    _, vecs = np.linalg.eigh(c)
+    top = vecs[:, ::-1][:, :components]
+    return np.eye(d) - top @ top.T
+
+
+def transform_points(points, mean, cov, transform) -> np.ndarray:
+    """Apply a post-processing transform to points, given the moments it is defined by.
+
+    Parameters
+    ----------
+    points : array-like of shape (k, d), e.g. the matrix of per-token means.
+    mean : array-like of shape (d,), the mean of all embeddings.
+    cov : array-like of shape (d, d), their covariance.
+    transform : see :func:`parse_transform`.
+
+    Returns
+    -------
+    ndarray of shape (k, d): ``points`` unchanged for "none"; ``(x - mean) / sd`` for
+    "standardize" (0 on zero-variance dimensions, as in :func:`transform_covariance`);
+    ``(x - mean) P`` for "abtt:D". The covariance of transformed embeddings is
+    :func:`transform_covariance` of ``cov``.
+    """
+    t = parse_transform(transform)
+    x = _finite_array(points, "points", 2)
+    if t.kind == "none":
+        return x
+    c = _check_covariance(cov)
+    centred = x - np.asarray(mean, dtype=np.float64)
+    if t.kind == "standardize":
+        var = np.diag(c)
+        keep = var > _ZERO_VARIANCE_RTOL * var.max()
+        inv_sd = np.zeros_like(var)
+        inv_sd[keep] = 1.0 / np.sqrt(var[keep])
+        return centred * inv_sd
+    if t.components >= c.shape[0]:
+        raise ValueError(f"abtt:{t.components} must remove fewer components than d = {c.shape[0]}")
+    return centred @ _projection_off_top(c, t.components)
 
 
 # --------------------------------------------------------------------------------- probing

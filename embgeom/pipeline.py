@@ -59,3 +59,62 @@ def accumulate_texts(
             on_progress(done / max(len(windows), 1), int(layers.n))
     return JobMoments(tokens=tokens, layers=layers, texts=len(texts), windows=len(windows))
 
+
+
+POOLINGS = ("cls", "mean", "last")
+
+
+def text_embeddings(
+    loaded: LoadedModel,
+    texts: Sequence[str],
+    layers: Sequence[int],
+    pooling: Optional[str] = None,
+    include_special: bool = False,
+    token_budget: int = 16384,
+) -> dict[int, "np.ndarray"]:
+    """Raw hidden states for small synchronous requests (isotropy samples, probes).
+
+    With ``pooling=None``: per layer, every counted embedding, shape (N, d), float32, in
+    text order. With a pooling, one vector per text, shape (len(texts), d), float64:
+    ``cls`` = the first position of the text's first window (the [CLS] token of an
+    encoder, the first token of a decoder), ``mean`` = the mean of the text's counted
+    positions over all its windows, ``last`` = the last position of its last window
+    (the final [SEP] of an encoder, the last token of a decoder).
+    """
+    import numpy as np
+
+    if pooling is not None and pooling not in POOLINGS:
+        raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}")
+    info = loaded.info
+    windows = encode_windows(loaded.tokenizer, texts, info.max_length, include_special)
+    order = {id(w): i for i, w in enumerate(windows)}
+    per_window: dict[int, list] = {l: [None] * len(windows) for l in layers}
+    for batch in batches_by_token_budget(windows, max(token_budget, info.max_length)):
+        hidden, _, counted = loaded.hidden_states(batch)
+        for row, w in enumerate(batch):
+            for l in layers:
+                h = hidden[l][row, : len(w)].float().cpu().numpy()
+                per_window[l][order[id(w)]] = (h, counted[row, : len(w)].numpy())
+    out = {}
+    for l in layers:
+        if pooling is None:
+            parts = [h[mask] for h, mask in per_window[l]]
+            out[l] = np.concatenate(parts) if parts else np.zeros((0, info.hidden_size), np.float32)
+            continue
+        pooled = np.zeros((len(texts), info.hidden_size))
+        sums = np.zeros((len(texts), info.hidden_size))
+        counts = np.zeros(len(texts))
+        first_seen = set()
+        for w, (h, mask) in zip(windows, per_window[l]):
+            t = w.text_index
+            if pooling == "cls" and t not in first_seen:
+                pooled[t] = h[0]
+            elif pooling == "last":
+                pooled[t] = h[-1]  # windows come in order, so the last one wins
+            sums[t] += h[mask].astype(np.float64).sum(axis=0)
+            counts[t] += mask.sum()
+            first_seen.add(t)
+        if pooling == "mean":
+            pooled = sums / np.maximum(counts, 1)[:, None]
+        out[l] = pooled
+    return out

@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from embgeom import diagnostics
 from embgeom import keys as K
 from embgeom.errors import InvalidInput, NotFound
 from embgeom.stats import layer_summary
@@ -20,6 +21,7 @@ from embgeom.store import AccumulatorStore, AsOf, LayerGlobal, LayerScalars
 
 __all__ = [
     "CountFilter", "layer_rows", "token_page", "token_detail", "self_similarity",
+    "isotropy", "outliers", "model_outliers",
 ]
 
 ORDER_FIELDS = ("n", "Q", "M", "V")
@@ -154,10 +156,10 @@ def _decode_cursor(cursor: str) -> dict:
 
 
 def self_similarity(unit_sum: Optional[np.ndarray], n: int) -> Optional[float]:
-    """Mean cosine between distinct occurrences: (||U_t||^2 - n)/(n(n-1)) (Ethayarajh 2019)."""
-    if unit_sum is None or n < 2:
+    """Self-similarity of one token (see :func:`embgeom.diagnostics.self_similarity`)."""
+    if unit_sum is None:
         return None
-    return float((unit_sum @ unit_sum - n) / (n * (n - 1)))
+    return _none_if_nan(diagnostics.self_similarity(unit_sum[None, :], np.array([n]))[0])
 
 
 def token_page(store: AccumulatorStore, pair: K.PairKeys, layer: int, tokenizer,
@@ -223,3 +225,118 @@ def token_detail(store: AccumulatorStore, pair: K.PairKeys, layer: int, token_id
             "token": tokenizer.convert_ids_to_tokens(int(token_id)),
             "n": n, "Q": M + V, "M": M, "V": V,
             "self_similarity": self_similarity(unit, n), "as_of": _as_of(meta)}
+
+
+# --------------------------------------------------------------- isotropy
+
+def _transform(spec: Optional[str]):
+    try:
+        return diagnostics.parse_transform(spec)
+    except ValueError as exc:
+        raise InvalidInput(str(exc), type="invalid_transform") from None
+
+
+UNAVAILABLE_UNDER_TRANSFORM = (
+    "not a function of the streamed moments once a transform is applied; not approximated"
+)
+
+
+def isotropy(store: AccumulatorStore, pair: K.PairKeys, layer: int, transform: Optional[str] = None,
+             spectrum: bool = False, partition: bool = True, min_count: int = 1) -> dict:
+    """Isotropy of all embeddings of a layer, exact from the streamed covariance.
+
+    IsoScore, effective rank, participation ratio and top eigenvalue ratio come from the
+    eigenvalues of the (transformed) covariance ``C / n``; ``mean_cosine`` from the unit
+    vector sum, only without a transform; the partition isotropy I(W) (Mu & Viswanath)
+    from the matrix of per-token means with ``n_t >= min_count``, transformed alike.
+    """
+    t = _transform(transform)
+    meta, state = store.covariance_state(pair, [layer])
+    out = {"layer": layer, "transform": transform or "none", "n": 0, "isoscore": None,
+           "mean_cosine": None, "effective_rank": None, "participation_ratio": None,
+           "top_eigenvalue_ratio": None, "partition_isotropy": None, "eigenvalues": None,
+           "unavailable": {}, "as_of": _as_of(meta)}
+    if meta is None or state[layer][0].n == 0:
+        return out
+    g, comoment, unit_sum, unit_sq = state[layer]
+    cov = comoment / g.n
+    try:
+        cov_t = diagnostics.transform_covariance(cov, t)
+    except ValueError as exc:
+        raise InvalidInput(str(exc), type="invalid_transform") from None
+    lam = diagnostics.covariance_eigenvalues(cov_t)
+    out.update({
+        "n": g.n,
+        "isoscore": _none_if_nan(diagnostics.isoscore_from_eigenvalues(lam)),
+        "effective_rank": _none_if_nan(diagnostics.effective_rank(lam)),
+        "participation_ratio": _none_if_nan(diagnostics.participation_ratio(lam)),
+        "top_eigenvalue_ratio": _none_if_nan(diagnostics.top_eigenvalue_ratio(lam)),
+    })
+    if spectrum:
+        out["eigenvalues"] = lam.tolist()
+    if t.kind == "none":
+        out["mean_cosine"] = _none_if_nan(diagnostics.mean_cosine(unit_sum, g.n))
+    else:
+        out["unavailable"]["mean_cosine"] = UNAVAILABLE_UNDER_TRANSFORM
+    if partition:
+        _, means = store.token_means(pair, [layer])
+        ids, n_t, _, mean_t = means[layer]
+        keep = n_t >= min_count
+        if keep.sum() >= 1:
+            W = diagnostics.transform_points(mean_t[keep], g.mean, cov, t)
+            out["partition_isotropy"] = _none_if_nan(diagnostics.partition_isotropy(W))
+            out["partition_types"] = int(keep.sum())
+    return out
+
+
+def outliers(store: AccumulatorStore, pair: K.PairKeys, layer: int, threshold: float = 5.0,
+             transform: Optional[str] = None, top: int = 10) -> dict:
+    """Outlier dimensions (variance >= threshold x mean variance) and rogue dimensions.
+
+    ``rogue`` lists the ``top`` dimensions by their exact share ``CC_i`` of the mean
+    cosine similarity (Timkey & van Schijndel 2021); it is only available without a
+    transform (a transformed cosine is not a function of the moments).
+    """
+    t = _transform(transform)
+    if not threshold > 0:
+        raise InvalidInput("threshold must be > 0", type="invalid_threshold")
+    meta, state = store.covariance_state(pair, [layer])
+    out = {"layer": layer, "threshold": threshold, "transform": transform or "none", "n": 0,
+           "dimensions": [], "rogue": None, "mean_cosine": None, "unavailable": {},
+           "as_of": _as_of(meta)}
+    if meta is None or state[layer][0].n == 0:
+        return out
+    g, comoment, unit_sum, unit_sq = state[layer]
+    cov = comoment / g.n
+    try:
+        cov_t = diagnostics.transform_covariance(cov, t)
+    except ValueError as exc:
+        raise InvalidInput(str(exc), type="invalid_transform") from None
+    mean_t = np.zeros_like(g.mean) if t.kind != "none" else g.mean
+    out["n"] = g.n
+    out["dimensions"] = diagnostics.outlier_dimensions(np.diag(cov_t), mean_t, threshold)
+    if t.kind == "none":
+        cc = diagnostics.rogue_contributions(unit_sum, unit_sq, g.n)
+        total = float(np.sum(cc))
+        order = np.argsort(-cc, kind="stable")[:top]
+        out["mean_cosine"] = _none_if_nan(total)
+        out["rogue"] = [{"dim": int(i), "contribution": float(cc[i]),
+                         "share": float(cc[i] / total) if total else None} for i in order]
+    else:
+        out["unavailable"]["rogue"] = UNAVAILABLE_UNDER_TRANSFORM
+    return out
+
+
+def model_outliers(store: AccumulatorStore, pair: K.PairKeys, num_layers: int,
+                   threshold: float = 5.0, transform: Optional[str] = None) -> dict:
+    """Outlier dimensions of every layer, and which dimensions persist across layers."""
+    rows = [outliers(store, pair, l, threshold, transform, top=5) for l in range(num_layers)]
+    where: dict[int, list[int]] = {}
+    for row in rows:
+        for dim in row["dimensions"]:
+            where.setdefault(dim["dim"], []).append(row["layer"])
+    persistent = sorted(({"dim": d, "layers": ls, "num_layers": len(ls)} for d, ls in where.items()),
+                        key=lambda x: (-x["num_layers"], x["dim"]))
+    return {"threshold": threshold, "transform": transform or "none",
+            "layers": [{"layer": r["layer"], "n": r["n"], "dimensions": r["dimensions"]} for r in rows],
+            "persistent": persistent, "as_of": rows[-1]["as_of"] if rows else None}

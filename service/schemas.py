@@ -94,7 +94,7 @@ class Deleted(BaseModel):
     models: list[str]
 
 
-class Decomposition(BaseModel):
+class DecompositionFields(BaseModel):
     layer: int
     n: int
     num_types: int
@@ -105,10 +105,13 @@ class Decomposition(BaseModel):
     V_B: Optional[float]
     min_count: int = 1
     max_count: Optional[int] = None
-    as_of: Optional[AsOf] = None
 
 
-class LayerRow(Decomposition):
+class Decomposition(DecompositionFields):
+    as_of: AsOf
+
+
+class LayerRow(DecompositionFields):
     model_config = ConfigDict(populate_by_name=True)
 
     cv_Q: Optional[float]
@@ -155,3 +158,126 @@ class TokenPage(BaseModel):
     next_cursor: Optional[str]
     total: int
     as_of: AsOf
+
+
+class Isotropy(BaseModel):
+    layer: int
+    transform: str
+    n: int
+    isoscore: Optional[float] = Field(description="IsoScore (Rudman et al. 2022) over all embeddings")
+    mean_cosine: Optional[float] = Field(description="Exact mean cosine over all distinct pairs")
+    effective_rank: Optional[float] = Field(description="Roy & Vetterli 2007")
+    participation_ratio: Optional[float]
+    top_eigenvalue_ratio: Optional[float]
+    partition_isotropy: Optional[float] = Field(description="I(W) of Mu & Viswanath on per-token means")
+    partition_types: Optional[int] = None
+    eigenvalues: Optional[list[float]] = None
+    unavailable: dict[str, str] = Field(default_factory=dict,
+                                        description="Measures not determined under this transform")
+    as_of: AsOf
+
+
+class OutlierDimension(BaseModel):
+    dim: int
+    variance: float
+    ratio: float
+    mean: float
+
+
+class RogueDimension(BaseModel):
+    dim: int
+    contribution: float = Field(description="CC_i, this dimension's share of the mean cosine")
+    share: Optional[float]
+
+
+class Outliers(BaseModel):
+    layer: int
+    threshold: float
+    transform: str
+    n: int
+    dimensions: list[OutlierDimension]
+    rogue: Optional[list[RogueDimension]]
+    mean_cosine: Optional[float]
+    unavailable: dict[str, str] = Field(default_factory=dict)
+    as_of: AsOf
+
+
+class LayerOutliers(BaseModel):
+    layer: int
+    n: int
+    dimensions: list[OutlierDimension]
+
+
+class PersistentDimension(BaseModel):
+    dim: int
+    layers: list[int]
+    num_layers: int
+
+
+class ModelOutliers(BaseModel):
+    threshold: float
+    transform: str
+    layers: list[LayerOutliers]
+    persistent: list[PersistentDimension]
+    as_of: Optional[AsOf]
+
+
+class SampleRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    texts: list[str] = Field(min_length=1)
+    zeta: float = Field(0.2, ge=0.0, le=1.0, description="Shrinkage weight of the reference")
+    reference: Literal["collection", "identity"] = "collection"
+    include_special: bool = False
+
+
+class SampleIsotropy(BaseModel):
+    layer: int
+    n_points: int
+    zeta: float
+    reference: str
+    isoscore: float
+    isoscore_star: float
+
+
+class ProbeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field("minilm", pattern=K.NAME_PATTERN)
+    layer: int = Field(ge=0)
+    texts: list[str] = Field(min_length=4)
+    labels: list[str | int] = Field(min_length=4, description="Two distinct values")
+    pooling: Literal["cls", "mean", "last"] = "mean"
+    test_fraction: float = Field(0.3, gt=0.0, lt=1.0)
+    seed: int = 0
+    top_k: int = Field(10, ge=1, le=4096)
+    include_special: bool = False
+
+
+class ProbeDimension(BaseModel):
+    dim: int
+    variance: float
+    variance_ratio: Optional[float]
+    threshold: float
+    direction: int
+    train_accuracy: float
+    test_accuracy: float
+
+
+class Accuracy(BaseModel):
+    train_accuracy: Optional[float] = None
+    test_accuracy: float
+
+
+class ProbeResult(BaseModel):
+    model: str
+    layer: int
+    pooling: str
+    labels: list[str]
+    n_train: int
+    n_test: int
+    top_k: int
+    dimensions: list[ProbeDimension]
+    best_dimension: ProbeDimension
+    logistic_regression: Accuracy
+    majority_baseline: Accuracy

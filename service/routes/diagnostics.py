@@ -1,5 +1,91 @@
 from __future__ import annotations
 
-from fastapi import APIRouter
+from typing import Annotated, Optional
 
-router = APIRouter(prefix="/v1", tags=["diagnostics"])
+from fastapi import APIRouter, Query
+from starlette.concurrency import run_in_threadpool
+
+from embgeom import probes, reports
+from embgeom.errors import InvalidInput, NotFound
+from service.deps import LayerDep, ModelDep, PairDep, RuntimeDep
+from service.schemas import (
+    ErrorBody, Isotropy, ModelOutliers, Outliers, ProbeRequest, ProbeResult, SampleIsotropy,
+    SampleRequest,
+)
+
+router = APIRouter(prefix="/v1", tags=["diagnostics"],
+                   responses={404: {"model": ErrorBody}, 422: {"model": ErrorBody}})
+
+LAYER_PATH = "/collections/{collection}/models/{model}/layers/{layer}"
+Transform = Annotated[Optional[str], Query(description="none | standardize | abtt:D")]
+Threshold = Annotated[float, Query(gt=0, description="Outlier if variance >= threshold x mean variance")]
+
+
+@router.get(LAYER_PATH + "/isotropy", response_model=Isotropy)
+def isotropy(pair: PairDep, layer: LayerDep, rt: RuntimeDep, transform: Transform = None,
+             spectrum: bool = False, partition: bool = True,
+             min_count: Annotated[int, Query(ge=1, description="Token types used for I(W)")] = 1) -> dict:
+    """IsoScore, mean cosine, effective rank, participation ratio, top eigenvalue ratio and
+    partition isotropy, exact over every embedding ingested."""
+    return reports.isotropy(rt.store, pair, layer, transform, spectrum, partition, min_count)
+
+
+@router.get(LAYER_PATH + "/outliers", response_model=Outliers)
+def outliers(pair: PairDep, layer: LayerDep, rt: RuntimeDep, threshold: Threshold = 5.0,
+             transform: Transform = None, top: Annotated[int, Query(ge=1, le=4096)] = 10) -> dict:
+    return reports.outliers(rt.store, pair, layer, threshold, transform, top)
+
+
+@router.get("/collections/{collection}/models/{model}/outliers", response_model=ModelOutliers)
+def model_outliers(pair: PairDep, model: ModelDep, rt: RuntimeDep, threshold: Threshold = 5.0,
+                   transform: Transform = None) -> dict:
+    """Outlier dimensions of every layer and the ones that persist across layers."""
+    return reports.model_outliers(rt.store, pair, model.num_layers + 1, threshold, transform)
+
+
+def _check_sync_size(rt, texts) -> None:
+    if len(texts) > rt.settings.max_sync_texts:
+        raise InvalidInput(f"{len(texts)} texts exceed the limit of {rt.settings.max_sync_texts} "
+                           "for a synchronous request", type="payload_too_large",
+                           limit=rt.settings.max_sync_texts)
+
+
+@router.post(LAYER_PATH + "/isotropy/sample", response_model=SampleIsotropy)
+async def isotropy_sample(pair: PairDep, layer: LayerDep, body: SampleRequest, rt: RuntimeDep) -> dict:
+    """IsoScore and IsoScore* (Rudman & Eickhoff 2024) of a mini-batch, shrunk toward the
+    collection's covariance or the identity. Runs the model in the API process."""
+    _check_sync_size(rt, body.texts)
+    reference = None
+    if body.reference == "collection":
+        _, state = rt.store.covariance_state(pair, [layer])
+        g, comoment, _, _ = state.get(layer, (None, None, None, None))
+        if g is None or g.n == 0:
+            raise NotFound("collection_empty", "the collection has no embeddings at this layer yet")
+        reference = comoment / g.n
+
+    def run():
+        loaded = rt.sync_pool.get(pair.model)
+        return probes.sample_isotropy(loaded, body.texts, layer, body.zeta, reference,
+                                      body.include_special, rt.settings.token_budget)
+
+    return await run_in_threadpool(run)
+
+
+@router.post("/probes/outlier-dimension", response_model=ProbeResult)
+async def outlier_probe(body: ProbeRequest, rt: RuntimeDep) -> dict:
+    """The 1-D outlier-dimension probe (Rudman et al. 2023) on labelled texts."""
+    _check_sync_size(rt, body.texts)
+    info = rt.registry.info(body.model) if body.model in rt.registry.names() else None
+    if info is None:
+        rt.registry.source(body.model)  # raises unknown_model
+    if body.layer > info.num_layers:
+        raise NotFound("layer_not_found", f"layer {body.layer} is out of range 0..{info.num_layers}")
+
+    def run():
+        loaded = rt.sync_pool.get(body.model)
+        result = probes.outlier_dimension_probe(
+            loaded, body.texts, body.labels, body.layer, body.pooling, body.test_fraction,
+            body.seed, body.top_k, body.include_special, rt.settings.token_budget)
+        return {"model": body.model, **result}
+
+    return await run_in_threadpool(run)
