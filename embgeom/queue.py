@@ -72,6 +72,10 @@ class JobQueue:
                 raise
         self._groups.add(stream)
 
+    def forget_groups(self) -> None:
+        """Re-check the consumer groups on next use (after a reconnect)."""
+        self._groups.clear()
+
     def pending(self, models: Sequence[str]) -> int:
         """Jobs queued or running (their stream entries are deleted when they end)."""
         with self.r.pipeline(transaction=False) as p:

@@ -76,12 +76,13 @@ class Worker:
         log.info("worker %s serving %s", self.id, ", ".join(self.models))
         beat = threading.Thread(target=self._heartbeat_loop, name=f"heartbeat-{self.id}", daemon=True)
         beat.start()
-        first = True
         try:
             while not self.stop_event.is_set():
                 try:
-                    delivery = self.queue.own_pending(self.id, self.models) if first else None
-                    first = False
+                    # Our own unacknowledged entries first: one read of several streams
+                    # can hand us more than one job, and after a reconnect the job we
+                    # were running is still ours.
+                    delivery = self.queue.own_pending(self.id, self.models)
                     if delivery is None:
                         delivery = self.queue.take(self.id, self.models, self.settings.lease_seconds,
                                                    block_ms=500)
@@ -89,8 +90,7 @@ class Worker:
                         self.process(delivery)
                 except (redis.ConnectionError, redis.TimeoutError) as exc:
                     log.warning("worker %s lost Redis (%s); retrying", self.id, exc)
-                    self.queue._groups.clear()
-                    first = True  # our pending entry, if any, is ours to finish
+                    self.queue.forget_groups()  # a restarted Redis may have lost them
                     self.stop_event.wait(0.5)
         finally:
             self.stop_event.set()
