@@ -1,4 +1,4 @@
-"""The ``embgeom`` command: ``serve``, ``worker`` and ``ingest``."""
+"""The ``embgeom`` command: ``serve``, ``worker``, ``ingest`` and ``table``."""
 
 from __future__ import annotations
 
@@ -59,6 +59,12 @@ def _ingest(args) -> int:
     return ingest_file(args)
 
 
+def _table(args) -> int:
+    from embgeom.client import table_command
+
+    return table_command(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="embgeom", description=__doc__)
     parser.add_argument("--log-level", default=os.environ.get("EMBGEOM_LOG_LEVEL", "info"))
@@ -91,6 +97,16 @@ def build_parser() -> argparse.ArgumentParser:
     ingest.add_argument("--no-wait", action="store_true", help="submit and return")
     ingest.add_argument("--quiet", action="store_true", help="no progress bar")
     ingest.set_defaults(func=_ingest)
+
+    table = sub.add_parser("table", help="print the per-layer table of a collection and model")
+    table.add_argument("--url", default=os.environ.get("EMBGEOM_URL", "http://127.0.0.1:8080"))
+    table.add_argument("--collection", default="default")
+    table.add_argument("--model", default="minilm")
+    table.add_argument("--min-count", type=int, default=1, help="keep token types with n >= this")
+    table.add_argument("--max-count", type=int, default=None, help="keep token types with n <= this")
+    table.add_argument("--format", choices=("markdown", "csv", "json"), default="markdown")
+    table.add_argument("--api-key", default=os.environ.get("EMBGEOM_API_KEY"))
+    table.set_defaults(func=_table)
     return parser
 
 

@@ -1,0 +1,435 @@
+"""A small HTTP client for the embgeom service, and the ``ingest`` and ``table`` commands.
+
+:class:`EmbgeomClient` wraps the v1 API of DESIGN.md section 2: every error body
+``{"type", "message", "detail"}`` is raised as :class:`ApiError`, and a 429 (the queue
+is full) is retried after the server's ``Retry-After``, or after an exponential backoff
+when it gives none.
+
+``embgeom ingest FILE`` cuts a text file (one text per line) into jobs of at most
+``--texts-per-job`` texts and :data:`MAX_JOB_BYTES` of UTF-8, and submits each under
+an ``Idempotency-Key`` derived from what it sends (collection, model, include_special,
+the file's SHA-256, the chunk's index and content): running the same command again
+after an interruption returns the jobs already submitted instead of counting their
+texts twice.
+"""
+
+from __future__ import annotations
+
+import csv
+import email.utils
+import hashlib
+import io
+import json
+import logging
+import random
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable, Iterator, Optional, Sequence
+
+import httpx
+
+__all__ = [
+    "ApiError", "EmbgeomClient", "MAX_JOB_BYTES", "TABLE_COLUMNS",
+    "read_texts", "chunk_texts", "idempotency_key", "ingest_file", "format_table", "table_command",
+]
+
+# The smallest per-job byte limit a service may be configured with (Settings.max_job_bytes
+# has ge=1_000_000), so a chunk of at most this many bytes is accepted by every service.
+MAX_JOB_BYTES = 1_000_000
+
+TERMINAL = ("done", "failed")
+
+# Column of the printed table -> field of a /layers row.
+TABLE_COLUMNS = {
+    "layer": "layer", "n": "n", "types": "num_types", "Q": "Q", "M": "M", "V": "V",
+    "V_W": "V_W", "V_B": "V_B", "cv_Q": "cv_Q", "slope": "slope", "r2": "r2",
+}
+
+
+class ApiError(Exception):
+    """An error answered by the service: HTTP status, stable ``type``, human ``message``."""
+
+    def __init__(self, status: int, type: str, message: str, detail: Optional[dict] = None):
+        super().__init__(f"{status} {type}: {message}")
+        self.status = status
+        self.type = type
+        self.message = message
+        self.detail = detail or {}
+
+    @classmethod
+    def from_response(cls, response: httpx.Response) -> "ApiError":
+        try:
+            body = response.json()
+        except ValueError:
+            body = None
+        if isinstance(body, dict) and "type" in body:
+            return cls(response.status_code, str(body["type"]), str(body.get("message", "")),
+                       body.get("detail") or {})
+        # Not the service's error shape (a proxy in between, for instance).
+        return cls(response.status_code, "http_error", response.text[:500] or response.reason_phrase)
+
+
+def _retry_after(response: httpx.Response) -> Optional[float]:
+    """Seconds from a ``Retry-After`` header: delta-seconds or an HTTP date."""
+    value = response.headers.get("Retry-After")
+    if value is None:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=timezone.utc)
+    return max(0.0, (when - datetime.now(timezone.utc)).total_seconds())
+
+
+class EmbgeomClient:
+    """The v1 API over HTTP.
+
+    Parameters
+    ----------
+    url : base URL of the service, e.g. ``http://127.0.0.1:8080``.
+    api_key : sent as ``Authorization: Bearer <key>`` when given.
+    timeout : seconds per request.
+    max_retries : 429 answers retried before :class:`ApiError` is raised.
+    max_backoff : upper bound, in seconds, of one wait between retries.
+    transport : an ``httpx`` transport (tests pass ``httpx.MockTransport``).
+    sleep : the function that waits (tests pass a recorder).
+    """
+
+    def __init__(self, url: str, api_key: Optional[str] = None, timeout: float = 60.0,
+                 max_retries: int = 10, max_backoff: float = 30.0,
+                 transport: Optional[httpx.BaseTransport] = None,
+                 sleep: Callable[[float], None] = time.sleep):
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=timeout,
+                                  transport=transport)
+        self.max_retries = max_retries
+        self.max_backoff = max_backoff
+        self._sleep = sleep
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> "EmbgeomClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---------------------------------------------------------------- transport
+    def _request(self, method: str, path: str, **kwargs) -> dict:
+        for attempt in range(self.max_retries + 1):
+            response = self._http.request(method, path, **kwargs)
+            if response.status_code != 429 or attempt == self.max_retries:
+                break
+            delay = _retry_after(response)
+            if delay is None:  # full jitter, so many clients do not come back together
+                delay = random.uniform(0, 0.5 * 2 ** attempt)
+            self._sleep(min(delay, self.max_backoff))
+        if response.is_error:
+            raise ApiError.from_response(response)
+        return response.json()
+
+    # --------------------------------------------------------------------- jobs
+    def submit(self, texts: Sequence[str], collection: str = "default", model: str = "minilm",
+               include_special: bool = False, idempotency_key: Optional[str] = None) -> str:
+        """Queue ``texts``; returns the job id (the first job's, for a repeated key)."""
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
+        body = {"collection": collection, "model": model, "texts": list(texts),
+                "include_special": include_special}
+        return self._request("POST", "/v1/jobs", json=body, headers=headers)["job_id"]
+
+    def job(self, job_id: str) -> dict:
+        return self._request("GET", f"/v1/jobs/{job_id}")
+
+    def wait(self, job_ids: Sequence[str], on_progress: Optional[Callable[[list], None]] = None,
+             timeout: Optional[float] = None, poll_interval: float = 0.5,
+             window: int = 64) -> list[dict]:
+        """Poll until every job is done or failed; returns their final statuses, in order.
+
+        ``on_progress(statuses)`` is called after each round with the latest status of
+        every job (``None`` for one not polled yet). A round polls the ``window`` oldest
+        unfinished jobs only: workers take jobs in order, so later ones rarely moved, and
+        a round stays a few requests however many jobs there are (the API has no status
+        of many jobs in one request). Raises ``TimeoutError`` after ``timeout`` seconds.
+        """
+        ids = list(dict.fromkeys(job_ids))
+        latest: dict[str, Optional[dict]] = {j: None for j in ids}
+        pending = list(ids)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            for job_id in pending[:window]:
+                latest[job_id] = self.job(job_id)
+            pending = [j for j in pending if (latest[j] or {}).get("status") not in TERMINAL]
+            if on_progress is not None:
+                on_progress([latest[j] for j in job_ids])
+            if not pending:
+                return [latest[j] for j in job_ids]
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"{len(pending)} jobs not finished after {timeout}s: "
+                                   f"{', '.join(pending[:5])}{' ...' if len(pending) > 5 else ''}")
+            self._sleep(poll_interval)
+
+    # ---------------------------------------------------------------- reports
+    def models(self) -> list[dict]:
+        return self._request("GET", "/v1/models")
+
+    def collections(self) -> list[dict]:
+        return self._request("GET", "/v1/collections")
+
+    def delete_collection(self, collection: str) -> dict:
+        return self._request("DELETE", f"/v1/collections/{collection}")
+
+    @staticmethod
+    def _counts(min_count: int, max_count: Optional[int]) -> dict:
+        params = {"min_count": min_count}
+        if max_count is not None:
+            params["max_count"] = max_count
+        return params
+
+    def layers(self, collection: str, model: str, min_count: int = 1,
+               max_count: Optional[int] = None) -> dict:
+        """``{"layers": [row per layer], "as_of": ..., ...}`` as the service answers it."""
+        return self._request("GET", f"/v1/collections/{collection}/models/{model}/layers",
+                             params=self._counts(min_count, max_count))
+
+    def decomposition(self, collection: str, model: str, layer: int, min_count: int = 1,
+                      max_count: Optional[int] = None) -> dict:
+        return self._request(
+            "GET", f"/v1/collections/{collection}/models/{model}/layers/{layer}/decomposition",
+            params=self._counts(min_count, max_count))
+
+    def tokens(self, collection: str, model: str, layer: int, order_by: str = "n",
+               desc: bool = True, min_count: int = 1, max_count: Optional[int] = None,
+               token: Optional[str] = None, page_size: int = 1000) -> Iterator[dict]:
+        """Every token type's stats at ``layer``, following ``next_cursor`` page by page."""
+        params = {"order_by": order_by, "desc": str(desc).lower(), "limit": page_size,
+                  **self._counts(min_count, max_count)}
+        if token is not None:
+            params["token"] = token
+        path = f"/v1/collections/{collection}/models/{model}/layers/{layer}/tokens"
+        while True:
+            page = self._request("GET", path, params=params)
+            yield from page["tokens"]
+            if not page.get("next_cursor"):
+                return
+            params["cursor"] = page["next_cursor"]
+
+    def token(self, collection: str, model: str, layer: int, token_id: int) -> dict:
+        return self._request(
+            "GET", f"/v1/collections/{collection}/models/{model}/layers/{layer}/tokens/{token_id}")
+
+
+# ----------------------------------------------------------------------- ingest
+def read_texts(data: str) -> list[str]:
+    """One text per line; lines that are empty or only whitespace are skipped.
+
+    Only ``\\n`` (and a ``\\r`` before it) ends a line: other characters that
+    ``str.splitlines`` would split on (form feed, U+2028, ...) stay inside the text.
+    """
+    texts = []
+    for line in data.split("\n"):
+        if line.endswith("\r"):
+            line = line[:-1]
+        if line.strip():
+            texts.append(line)
+    return texts
+
+
+def chunk_texts(texts: Sequence[str], max_texts: int, max_bytes: int = MAX_JOB_BYTES) -> list[list[str]]:
+    """Consecutive chunks of at most ``max_texts`` texts and ``max_bytes`` UTF-8 bytes.
+
+    A single text longer than ``max_bytes`` goes alone in its chunk (texts are never cut:
+    the service windows long texts itself); the service decides whether it accepts it.
+    """
+    if max_texts < 1:
+        raise ValueError("max_texts must be at least 1")
+    chunks: list[list[str]] = []
+    current: list[str] = []
+    size = 0
+    for text in texts:
+        n = len(text.encode("utf-8"))
+        if current and (len(current) == max_texts or size + n > max_bytes):
+            chunks.append(current)
+            current, size = [], 0
+        current.append(text)
+        size += n
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+def idempotency_key(collection: str, model: str, include_special: bool, file_sha256: str,
+                    index: int, chunk: Sequence[str]) -> str:
+    """The key of one chunk of one file: the same command sends the same keys.
+
+    The chunk's own content is part of it, so a run with another ``--texts-per-job``
+    never receives a job that carried different texts.
+    """
+    h = hashlib.sha256()
+    h.update(json.dumps([collection, model, bool(include_special), file_sha256, index],
+                        ensure_ascii=False).encode())
+    for text in chunk:
+        h.update(hashlib.sha256(text.encode("utf-8")).digest())
+    return f"embgeom-ingest-v1:{h.hexdigest()}"
+
+
+def _quiet_http_logs() -> None:
+    """httpx logs every request at INFO; a command's own output says what happened."""
+    log = logging.getLogger("httpx")
+    if not log.isEnabledFor(logging.DEBUG):
+        log.setLevel(logging.WARNING)
+
+
+def _read_input(path: str) -> bytes:
+    if path == "-":
+        return sys.stdin.buffer.read()
+    return Path(path).read_bytes()
+
+
+def ingest_file(args) -> int:
+    """``embgeom ingest``: submit a file's texts in jobs, wait, summarise.
+
+    Returns 0 when every job is done (or, with ``--no-wait``, submitted), 1 when a job
+    failed or the service refused a request, 2 when the file cannot be read, 130 on
+    Ctrl-C. Submitted jobs keep running on the service either way; the same command
+    resumes without counting anything twice.
+    """
+    from tqdm import tqdm
+
+    _quiet_http_logs()
+    try:
+        data = _read_input(args.file)
+        text = data.decode("utf-8-sig")
+    except OSError as exc:
+        print(f"embgeom ingest: cannot read {args.file}: {exc}", file=sys.stderr)
+        return 2
+    except UnicodeDecodeError as exc:
+        print(f"embgeom ingest: {args.file} is not UTF-8 ({exc})", file=sys.stderr)
+        return 2
+    if args.texts_per_job < 1:
+        print("embgeom ingest: --texts-per-job must be at least 1", file=sys.stderr)
+        return 2
+    texts = read_texts(text)
+    if not texts:
+        print(f"embgeom ingest: no texts in {args.file}", file=sys.stderr)
+        return 0
+    chunks = chunk_texts(texts, args.texts_per_job)
+    file_sha256 = hashlib.sha256(data).hexdigest()
+
+    with EmbgeomClient(args.url, api_key=args.api_key) as client:
+        job_ids: list[str] = []
+        try:
+            for index, chunk in enumerate(chunks):
+                key = idempotency_key(args.collection, args.model, args.include_special,
+                                      file_sha256, index, chunk)
+                job_ids.append(client.submit(chunk, args.collection, args.model,
+                                             args.include_special, idempotency_key=key))
+        except (ApiError, httpx.HTTPError) as exc:
+            print(f"embgeom ingest: submitting job {len(job_ids) + 1} of {len(chunks)} failed: {exc}",
+                  file=sys.stderr)
+            if job_ids:
+                print(f"{len(job_ids)} jobs were submitted; the same command resumes without "
+                      "counting them twice", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            print(f"\ninterrupted after submitting {len(job_ids)} of {len(chunks)} jobs; "
+                  "the same command resumes without counting them twice", file=sys.stderr)
+            return 130
+        if args.no_wait:
+            for job_id in job_ids:
+                print(job_id)
+            print(f"submitted {len(job_ids)} jobs, {len(texts)} texts", file=sys.stderr)
+            return 0
+
+        sizes = [len(c) for c in chunks]
+        bar = tqdm(total=len(texts), unit="text", disable=args.quiet, file=sys.stderr,
+                   desc=f"{args.collection}/{args.model}")
+
+        def on_progress(statuses: list) -> None:
+            done = 0.0
+            for size, status in zip(sizes, statuses):
+                if status is not None:
+                    done += size if status["status"] in TERMINAL else size * status["progress"]
+            bar.update(int(round(done)) - bar.n)
+
+        try:
+            final = client.wait(job_ids, on_progress=on_progress)
+            stored = {c["name"]: c["models"] for c in client.collections()}
+        except KeyboardInterrupt:
+            print("\ninterrupted; the jobs keep running on the service, and the same command "
+                  "resumes waiting for them", file=sys.stderr)
+            return 130
+        except (ApiError, httpx.HTTPError) as exc:
+            print(f"embgeom ingest: waiting for the jobs failed: {exc}", file=sys.stderr)
+            return 1
+        finally:
+            bar.close()
+
+    failed = [s for s in final if s["status"] == "failed"]
+    tokens = sum(s["tokens"] for s in final if s["status"] == "done")
+    print(f"jobs: {len(final)}  texts: {len(texts)}  tokens: {tokens}  failed: {len(failed)}")
+    for status in failed:
+        print(f"failed job {status['job_id']}: {status['error']}", file=sys.stderr)
+    if len(failed) < len(final) and args.model not in stored.get(args.collection, []):
+        # The jobs are done but their counts are gone: the collection was deleted after
+        # they ran. The service keeps Idempotency-Keys across a DELETE, so this command
+        # got the old jobs back instead of counting the file again.
+        print(f"embgeom ingest: collection {args.collection!r} holds nothing for {args.model!r}: it was "
+              "deleted after these jobs ran, and the service returned the old jobs for this file "
+              "instead of counting it again; ingest into another --collection", file=sys.stderr)
+        return 1
+    return 1 if failed else 0
+
+
+# ------------------------------------------------------------------------ table
+def _cell(value, fmt: str) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float) and fmt == "markdown":
+        return f"{value:.6g}"
+    return repr(value) if isinstance(value, float) else str(value)
+
+
+def format_table(rows: Sequence[dict], fmt: str = "markdown") -> str:
+    """The per-layer table of :data:`TABLE_COLUMNS` from /layers rows.
+
+    ``csv`` and ``json`` keep every float exactly (shortest repr); ``markdown`` shows six
+    significant digits. A value the service left null is an empty cell (``null`` in json).
+    """
+    table = [{col: row.get(field) for col, field in TABLE_COLUMNS.items()} for row in rows]
+    if fmt == "json":
+        return json.dumps(table, indent=2)
+    if fmt == "csv":
+        out = io.StringIO()
+        writer = csv.writer(out, lineterminator="\n")
+        writer.writerow(TABLE_COLUMNS)
+        writer.writerows([_cell(r[c], fmt) for c in TABLE_COLUMNS] for r in table)
+        return out.getvalue().rstrip("\n")
+    if fmt != "markdown":
+        raise ValueError(f"unknown format {fmt!r}: markdown, csv or json")
+    cells = [list(TABLE_COLUMNS)] + [[_cell(r[c], fmt) for c in TABLE_COLUMNS] for r in table]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(TABLE_COLUMNS))]
+    lines = ["| " + " | ".join(c.rjust(w) for c, w in zip(line, widths)) + " |" for line in cells]
+    lines.insert(1, "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|")
+    return "\n".join(lines)
+
+
+def table_command(args) -> int:
+    """``embgeom table``: print /layers of a collection and model as a table."""
+    _quiet_http_logs()
+    try:
+        with EmbgeomClient(args.url, api_key=args.api_key) as client:
+            body = client.layers(args.collection, args.model, args.min_count, args.max_count)
+    except (ApiError, httpx.HTTPError) as exc:
+        print(f"embgeom table: {exc}", file=sys.stderr)
+        return 1
+    print(format_table(body["layers"], args.format))
+    return 0
