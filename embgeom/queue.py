@@ -10,6 +10,7 @@ length is the number of pending jobs.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 import uuid
@@ -19,7 +20,7 @@ from typing import Optional, Sequence
 import redis
 
 from embgeom import keys as K
-from embgeom.errors import NotFound, Overloaded
+from embgeom.errors import InvalidInput, NotFound, Overloaded
 
 __all__ = ["JobRequest", "Delivery", "JobQueue"]
 
@@ -50,6 +51,15 @@ class Delivery:
 
 def _now() -> float:
     return time.time()
+
+
+def request_fingerprint(request: JobRequest) -> str:
+    """What an idempotency key must keep naming: the same pair, texts and options."""
+    h = hashlib.sha256()
+    h.update(json.dumps([request.collection, request.model, bool(request.include_special)]).encode())
+    for text in request.texts:
+        h.update(hashlib.sha256(text.encode()).digest())
+    return h.hexdigest()
 
 
 class JobQueue:
@@ -91,10 +101,11 @@ class JobQueue:
         acknowledged job is never half-enqueued. With an idempotency key, the same key
         returns the first job and enqueues nothing.
         """
+        fingerprint = request_fingerprint(request)
         if idempotency_key is not None:
-            existing = self.r.get(K.idempotency(idempotency_key))
-            if existing is not None:
-                return existing.decode(), False
+            replay = self._replay(idempotency_key, fingerprint)
+            if replay is not None:
+                return replay, False
         if self.pending(models) >= self.max_pending:
             raise Overloaded(f"{self.max_pending} jobs are pending; retry later",
                              max_pending=self.max_pending)
@@ -104,8 +115,12 @@ class JobQueue:
         self.ensure_group(stream)
         if idempotency_key is not None:
             # Claim the key first: of two racing requests with one key, one job wins.
+            # A key left by a job of a deleted collection generation is free again.
             if not self.r.set(K.idempotency(idempotency_key), job_id, nx=True, ex=self.idempotency_ttl):
-                return self.r.get(K.idempotency(idempotency_key)).decode(), False
+                replay = self._replay(idempotency_key, fingerprint)
+                if replay is not None:
+                    return replay, False
+                self.r.set(K.idempotency(idempotency_key), job_id, ex=self.idempotency_ttl)
         gen = int(self.r.get(pair.gen) or b"0")
         payload = json.dumps(list(request.texts), ensure_ascii=False)
         with self.r.pipeline(transaction=True) as p:
@@ -115,6 +130,7 @@ class JobQueue:
                 "bytes": len(payload.encode()), "error": "", "attempts": 0, "epoch": 0,
                 "worker": "", "gen": gen, "include_special": int(request.include_special),
                 "created_at": repr(_now()), "idempotency_key": idempotency_key or "",
+                "fingerprint": fingerprint,
             })
             p.set(pair.payload(job_id), payload)
             p.set(K.jobref(job_id), pair.pair)
@@ -122,6 +138,28 @@ class JobQueue:
             p.xadd(stream, {"job_id": job_id, "pair": pair.pair})
             p.execute()
         return job_id, True
+
+    def _replay(self, idempotency_key: str, fingerprint: str) -> Optional[str]:
+        """The job an idempotency key already names, if it still counts.
+
+        The same key with a different request is refused; a key whose job belonged to a
+        since-deleted generation of its collection no longer counts (None).
+        """
+        existing = self.r.get(K.idempotency(idempotency_key))
+        if existing is None:
+            return None
+        job_id = existing.decode()
+        ref = self.r.get(K.jobref(job_id))
+        if ref is None:
+            return None
+        pair = K.PairKeys(*K.split_pair(ref.decode()))
+        job_gen, job_fingerprint = self.r.hmget(pair.job(job_id), ["gen", "fingerprint"])
+        if job_fingerprint is not None and job_fingerprint.decode() != fingerprint:
+            raise InvalidInput("this Idempotency-Key was used for a different request",
+                               type="idempotency_key_reused", job_id=job_id)
+        if int(job_gen or b"0") != int(self.r.get(pair.gen) or b"0"):
+            return None
+        return job_id
 
     # ----------------------------------------------------------------- status
     def status(self, job_id: str) -> dict:

@@ -59,7 +59,12 @@ def existing_pair(rt: RuntimeDep, collection: CollectionDep, model: ModelDep) ->
     pairs = {p.decode() for p in rt.redis.smembers(K.PAIRS)}
     if not any(K.split_pair(p)[0] == collection for p in pairs):
         raise NotFound("collection_not_found", f"no collection {collection!r}", collection=collection)
-    return K.PairKeys(collection, model.name)
+    pair = K.PairKeys(collection, model.name)
+    if pair.pair not in pairs:
+        raise NotFound("model_not_in_collection",
+                       f"no text was ever sent to collection {collection!r} for model {model.name!r}",
+                       collection=collection, model=model.name)
+    return pair
 
 
 PairDep = Annotated[K.PairKeys, Depends(existing_pair)]

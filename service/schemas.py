@@ -65,6 +65,7 @@ class JobCreate(BaseModel):
 class JobCreated(BaseModel):
     job_id: str
     status: str
+    created: bool = Field(True, description="False when an Idempotency-Key named an existing job")
 
 
 class JobStatus(BaseModel):

@@ -44,6 +44,9 @@ def test_settings(redis_url: str, **overrides) -> Settings:
     return Settings(**values)
 
 
+test_settings.__test__ = False  # a helper, not a test, when imported into a test module
+
+
 class WorkerThread:
     """An in-process worker on its own thread (the embedded mode's worker)."""
 

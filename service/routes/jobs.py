@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from typing import Annotated, Optional
 
-from fastapi import APIRouter, Header
+from fastapi import APIRouter, Header, Query
 
 from embgeom.errors import InvalidInput
 from embgeom.queue import JobRequest
@@ -31,11 +31,21 @@ def create_job(
     if size > limits.max_job_bytes:
         raise InvalidInput(f"{size} bytes of text exceed the limit of {limits.max_job_bytes} per job",
                            type="payload_too_large", limit=limits.max_job_bytes)
-    job_id, _ = rt.queue.submit(
+    job_id, created = rt.queue.submit(
         JobRequest(body.collection, body.model, body.texts, body.include_special),
         rt.registry.names(), idempotency_key,
     )
-    return {"job_id": job_id, "status": rt.queue.status(job_id)["status"]}
+    return {"job_id": job_id, "status": rt.queue.status(job_id)["status"], "created": created}
+
+
+@router.get("/jobs", response_model=list[JobStatus], responses={404: {"model": ErrorBody}})
+def get_jobs(rt: RuntimeDep,
+             ids: Annotated[str, Query(description="Comma-separated job ids (at most 1000)")]) -> list[dict]:
+    """Status of many jobs in one request, in the order asked."""
+    wanted = [i for i in ids.split(",") if i]
+    if not wanted or len(wanted) > 1000:
+        raise InvalidInput("ids must name 1 to 1000 jobs", type="invalid_ids")
+    return [rt.queue.status(job_id) for job_id in wanted]
 
 
 @router.get("/jobs/{job_id}", response_model=JobStatus, responses={404: {"model": ErrorBody}})
