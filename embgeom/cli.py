@@ -105,6 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
     table.add_argument("--min-count", type=int, default=1, help="keep token types with n >= this")
     table.add_argument("--max-count", type=int, default=None, help="keep token types with n <= this")
     table.add_argument("--format", choices=("markdown", "csv", "json"), default="markdown")
+    table.add_argument("--kind", choices=("layers", "isotropy"), default="layers",
+                       help="layers: Q/M/V decomposition and summary; isotropy: IsoScore, "
+                            "mean cosine, spectrum, I(W), outlier and rogue dimensions")
+    table.add_argument("--threshold", type=float, default=5.0, help="outlier threshold (isotropy)")
     table.add_argument("--api-key", default=os.environ.get("EMBGEOM_API_KEY"))
     table.set_defaults(func=_table)
     return parser

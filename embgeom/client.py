@@ -31,7 +31,7 @@ from typing import Callable, Iterator, Optional, Sequence
 import httpx
 
 __all__ = [
-    "ApiError", "EmbgeomClient", "MAX_JOB_BYTES", "TABLE_COLUMNS",
+    "ApiError", "EmbgeomClient", "MAX_JOB_BYTES", "TABLE_COLUMNS", "ISOTROPY_COLUMNS", "isotropy_rows",
     "read_texts", "chunk_texts", "idempotency_key", "ingest_file", "format_table", "table_command",
 ]
 
@@ -45,6 +45,13 @@ TERMINAL = ("done", "failed")
 TABLE_COLUMNS = {
     "layer": "layer", "n": "n", "types": "num_types", "Q": "Q", "M": "M", "V": "V",
     "V_W": "V_W", "V_B": "V_B", "cv_Q": "cv_Q", "slope": "slope", "r2": "r2",
+}
+
+# Column -> field of the rows built by :func:`isotropy_rows`.
+ISOTROPY_COLUMNS = {
+    "layer": "layer", "n": "n", "IsoScore": "isoscore", "mean cos": "mean_cosine",
+    "eff. rank": "effective_rank", "PR": "participation_ratio", "top eig": "top_eigenvalue_ratio",
+    "I(W)": "partition_isotropy", "outlier dims (ratio)": "outliers", "top rogue dims (CC share)": "rogue",
 }
 
 
@@ -398,25 +405,46 @@ def _cell(value, fmt: str) -> str:
     return repr(value) if isinstance(value, float) else str(value)
 
 
-def format_table(rows: Sequence[dict], fmt: str = "markdown") -> str:
+def isotropy_rows(client: "EmbgeomClient", collection: str, model: str, threshold: float = 5.0,
+                  min_count: int = 1, rogue: int = 3) -> list[dict]:
+    """Per layer: isotropy figures, outlier dimensions and the top rogue dimensions."""
+    base = f"/v1/collections/{collection}/models/{model}"
+    layers = client._request("GET", f"{base}/layers")["layers"]
+    rows = []
+    for layer in (row["layer"] for row in layers):
+        iso = client._request("GET", f"{base}/layers/{layer}/isotropy", params={"min_count": min_count})
+        out = client._request("GET", f"{base}/layers/{layer}/outliers",
+                              params={"threshold": threshold, "top": rogue})
+        rows.append({
+            **{k: iso.get(k) for k in ("layer", "n", "isoscore", "mean_cosine", "effective_rank",
+                                       "participation_ratio", "top_eigenvalue_ratio",
+                                       "partition_isotropy")},
+            "outliers": " ".join(f"{d['dim']}({d['ratio']:.1f})" for d in out["dimensions"]) or "-",
+            "rogue": " ".join(f"{d['dim']}({d['share']:.2f})" for d in (out["rogue"] or [])) or "-",
+        })
+    return rows
+
+
+def format_table(rows: Sequence[dict], fmt: str = "markdown", columns: Optional[dict] = None) -> str:
     """The per-layer table of :data:`TABLE_COLUMNS` from /layers rows.
 
     ``csv`` and ``json`` keep every float exactly (shortest repr); ``markdown`` shows six
     significant digits. A value the service left null is an empty cell (``null`` in json).
     """
-    table = [{col: row.get(field) for col, field in TABLE_COLUMNS.items()} for row in rows]
+    columns = columns or TABLE_COLUMNS
+    table = [{col: row.get(field) for col, field in columns.items()} for row in rows]
     if fmt == "json":
         return json.dumps(table, indent=2)
     if fmt == "csv":
         out = io.StringIO()
         writer = csv.writer(out, lineterminator="\n")
-        writer.writerow(TABLE_COLUMNS)
-        writer.writerows([_cell(r[c], fmt) for c in TABLE_COLUMNS] for r in table)
+        writer.writerow(columns)
+        writer.writerows([_cell(r[c], fmt) for c in columns] for r in table)
         return out.getvalue().rstrip("\n")
     if fmt != "markdown":
         raise ValueError(f"unknown format {fmt!r}: markdown, csv or json")
-    cells = [list(TABLE_COLUMNS)] + [[_cell(r[c], fmt) for c in TABLE_COLUMNS] for r in table]
-    widths = [max(len(line[i]) for line in cells) for i in range(len(TABLE_COLUMNS))]
+    cells = [list(columns)] + [[_cell(r[c], fmt) for c in columns] for r in table]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
     lines = ["| " + " | ".join(c.rjust(w) for c, w in zip(line, widths)) + " |" for line in cells]
     lines.insert(1, "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|")
     return "\n".join(lines)
@@ -427,6 +455,11 @@ def table_command(args) -> int:
     _quiet_http_logs()
     try:
         with EmbgeomClient(args.url, api_key=args.api_key) as client:
+            if getattr(args, "kind", "layers") == "isotropy":
+                rows = isotropy_rows(client, args.collection, args.model, args.threshold,
+                                     args.min_count)
+                print(format_table(rows, args.format, ISOTROPY_COLUMNS))
+                return 0
             body = client.layers(args.collection, args.model, args.min_count, args.max_count)
     except (ApiError, httpx.HTTPError) as exc:
         print(f"embgeom table: {exc}", file=sys.stderr)
