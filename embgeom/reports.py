@@ -109,12 +109,9 @@ def layer_rows(store: AccumulatorStore, pair: K.PairKeys, layers: Sequence[int],
     layers = list(layers)
     rows: dict[int, dict] = {}
     if count_filter.is_everything:
-        meta, globs, types = store.globals(pair, layers)
+        # One snapshot for the decomposition and the summary.
+        meta, globs, types, scalars = store.globals(pair, layers, with_scalars=with_summary)
         rows = {l: _from_global(l, globs[l], types[l]) for l in layers}
-        scal_meta, scalars = store.scalars(pair, layers) if with_summary else (meta, {})
-        # The summary must describe the same snapshot as the decomposition.
-        if with_summary and scal_meta and meta and scal_meta["version"] != meta["version"]:
-            return layer_rows(store, pair, layers, count_filter, with_summary)
     else:
         meta, means = store.token_means(pair, layers)
         scalars = {}

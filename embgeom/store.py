@@ -228,17 +228,26 @@ class AccumulatorStore:
         meta, out = self._read(pair, lambda p: [p.hgetall(pair.scal(l)) for l in layers])
         return meta, {l: _decode_scalars(raw) for l, raw in zip(layers, out)}
 
-    def globals(self, pair: K.PairKeys, layers: Sequence[int]) -> tuple[Optional[dict], dict[int, LayerGlobal], dict[int, int]]:
-        """O(d) aggregates of each layer, and the number of token types."""
+    def globals(self, pair: K.PairKeys, layers: Sequence[int], with_scalars: bool = False):
+        """O(d) aggregates of each layer and its number of token types, and (optionally,
+        from the same snapshot) the per-token scalars.
+
+        Returns ``(meta, {layer: LayerGlobal}, {layer: num_types}, {layer: LayerScalars})``.
+        """
+        width = 3 if with_scalars else 2
+
         def cmds(p):
             for l in layers:
                 p.get(pair.glob(l))
                 p.hlen(pair.tok(l))
+                if with_scalars:
+                    p.hgetall(pair.scal(l))
         meta, out = self._read(pair, cmds)
         d = meta["hidden_size"] if meta else 0
-        globs = {l: self._decode_glob(out[2 * i], d) for i, l in enumerate(layers)}
-        types = {l: int(out[2 * i + 1]) for i, l in enumerate(layers)}
-        return meta, globs, types
+        globs = {l: self._decode_glob(out[width * i], d) for i, l in enumerate(layers)}
+        types = {l: int(out[width * i + 1]) for i, l in enumerate(layers)}
+        scalars = {l: _decode_scalars(out[width * i + 2]) for i, l in enumerate(layers)} if with_scalars else {}
+        return meta, globs, types, scalars
 
     def covariance_state(self, pair: K.PairKeys, layers: Sequence[int]):
         """Per layer: (LayerGlobal, co-moment (d, d), unit_sum (d,), unit_sq_sum (d,))."""
