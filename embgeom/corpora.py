@@ -324,9 +324,19 @@ def _main(argv: list[str] | None = None) -> int:
     f = sub.add_parser("fetch-wiki", help="copy the Wikipedia sample out of the gensim wheel")
     f.add_argument("--dest", type=Path, default=None)
     sub.add_parser("stats", help="print corpus sizes")
+    e = sub.add_parser("export", help="print a corpus one text per line (for `embgeom ingest`)")
+    e.add_argument("corpus", choices=("bbc", "wiki"))
+    e.add_argument("--unit", choices=("articles", "paragraphs"), default="articles",
+                   help="articles are printed with their paragraphs joined by one space")
+    e.add_argument("--limit", type=int, default=None, help="only the first N texts")
     args = parser.parse_args(argv)
     if args.cmd == "fetch-wiki":
         print(fetch_wiki_sample(args.dest))
+        return 0
+    if args.cmd == "export":
+        texts = (bbc_texts if args.corpus == "bbc" else wiki_texts)(args.unit)[: args.limit]
+        for text in texts:
+            print(" ".join(text.split()))
         return 0
     arts = bbc_texts("articles")
     paras = bbc_texts("paragraphs")
