@@ -1,0 +1,166 @@
+"""The exported OpenAPI document (openapi/openapi.json, ``python -m service.openapi_export``
+or ``make openapi``) is the app's own, and it carries the fixed v1 contract of
+DESIGN.md section 2: its paths, methods, query parameters and field names.
+
+When this fails after a change to the routes or schemas, re-export the document; when a
+contract name is missing, a route or field was renamed (the contract forbids that).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from service.app import create_app
+
+DOC_PATH = Path(__file__).resolve().parent.parent / "openapi" / "openapi.json"
+C = "/v1/collections/{collection}/models/{model}"
+
+
+@pytest.fixture(scope="module")
+def live():
+    return create_app().openapi()
+
+
+@pytest.fixture(scope="module")
+def doc():
+    assert DOC_PATH.is_file(), "run `python -m service.openapi_export` to create openapi/openapi.json"
+    return json.loads(DOC_PATH.read_text())
+
+
+def test_exported_document_is_the_apps(doc, live):
+    assert doc == live, "openapi/openapi.json is stale: run `python -m service.openapi_export`"
+
+
+def test_export_is_deterministic():
+    from service.openapi_export import document
+
+    assert document() == DOC_PATH.read_text()
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def resolve(doc: dict, schema: dict) -> dict:
+    """Follow $ref, allOf/anyOf wrappers (Optional) to a concrete schema."""
+    while True:
+        if "$ref" in schema:
+            name = schema["$ref"].rsplit("/", 1)[-1]
+            schema = doc["components"]["schemas"][name]
+        elif "allOf" in schema and len(schema["allOf"]) == 1:
+            schema = schema["allOf"][0]
+        elif "anyOf" in schema:
+            concrete = [s for s in schema["anyOf"] if s.get("type") != "null"]
+            assert len(concrete) == 1, schema
+            schema = concrete[0]
+        else:
+            return schema
+
+
+def properties(doc: dict, schema: dict) -> dict:
+    schema = resolve(doc, schema)
+    props = dict(schema.get("properties", {}))
+    for part in schema.get("allOf", []):
+        props.update(properties(doc, part))
+    return props
+
+
+def operation(doc: dict, path: str, method: str) -> dict:
+    assert path in doc["paths"], f"contract path {path} missing"
+    assert method in doc["paths"][path], f"{method.upper()} {path} missing"
+    return doc["paths"][path][method]
+
+
+def response_schema(doc: dict, path: str, method: str, status: str = "200") -> dict:
+    op = operation(doc, path, method)
+    assert status in op["responses"], f"{method.upper()} {path}: no {status} response"
+    return resolve(doc, op["responses"][status]["content"]["application/json"]["schema"])
+
+
+def query_params(doc: dict, path: str, method: str = "get") -> dict:
+    op = operation(doc, path, method)
+    return {p["name"]: p for p in op.get("parameters", []) if p["in"] == "query"}
+
+
+def has_fields(doc: dict, schema: dict, fields: str, where: str) -> None:
+    props = properties(doc, schema)
+    missing = [f for f in fields.split() if f not in props]
+    assert not missing, f"{where}: contract fields {missing} missing (has {sorted(props)})"
+
+
+# ----------------------------------------------------------------------------- contract
+
+
+def test_health_and_readiness(doc):
+    has_fields(doc, response_schema(doc, "/healthz", "get"), "status", "GET /healthz")
+    op = operation(doc, "/readyz", "get")
+    assert {"200", "503"} <= set(op["responses"]), "GET /readyz documents 200 and 503"
+
+
+def test_models(doc):
+    schema = response_schema(doc, "/v1/models", "get")
+    assert schema["type"] == "array"
+    has_fields(doc, schema["items"], "name source architecture num_layers hidden_size vocab_size loaded",
+               "GET /v1/models[]")
+
+
+def test_jobs(doc):
+    op = operation(doc, "/v1/jobs", "post")
+    body = op["requestBody"]["content"]["application/json"]["schema"]
+    has_fields(doc, body, "collection model texts include_special", "POST /v1/jobs body")
+    texts = resolve(doc, properties(doc, body)["texts"])
+    assert texts["type"] == "array" and resolve(doc, texts["items"])["type"] == "string"
+    assert "texts" in resolve(doc, body).get("required", []), "texts is required"
+    has_fields(doc, response_schema(doc, "/v1/jobs", "post", "202"), "job_id status", "POST /v1/jobs -> 202")
+    status = response_schema(doc, "/v1/jobs/{job_id}", "get")
+    has_fields(doc, status, "job_id status collection model texts tokens progress error",
+               "GET /v1/jobs/{job_id}")
+    enum = resolve(doc, properties(doc, status)["status"]).get("enum")
+    assert set(enum) == {"queued", "running", "done", "failed"}, enum
+
+
+def test_collections(doc):
+    schema = response_schema(doc, "/v1/collections", "get")
+    assert schema["type"] == "array"
+    has_fields(doc, schema["items"], "name models", "GET /v1/collections[]")
+    operation(doc, "/v1/collections/{collection}", "delete")
+
+
+def test_layers_and_decomposition(doc):
+    layers = response_schema(doc, f"{C}/layers", "get")
+    row = resolve(doc, properties(doc, layers)["layers"])
+    assert row["type"] == "array"
+    has_fields(doc, row["items"], "layer n num_types Q M V V_W V_B cv_Q slope r2", "GET .../layers rows")
+    assert {"min_count", "max_count"} <= set(query_params(doc, f"{C}/layers"))
+    path = f"{C}/layers/{{layer}}/decomposition"
+    has_fields(doc, response_schema(doc, path, "get"), "layer n num_types Q M V V_W V_B", "GET .../decomposition")
+    assert {"min_count", "max_count"} <= set(query_params(doc, path))
+
+
+def test_tokens(doc):
+    path = f"{C}/layers/{{layer}}/tokens"
+    page = response_schema(doc, path, "get")
+    has_fields(doc, page, "tokens next_cursor", "GET .../tokens")
+    items = resolve(doc, properties(doc, page)["tokens"])["items"]
+    has_fields(doc, items, "token_id token n Q M V", "GET .../tokens items")
+    params = query_params(doc, path)
+    assert {"order_by", "desc", "limit", "cursor", "min_count", "token"} <= set(params), sorted(params)
+    assert set(resolve(doc, params["order_by"]["schema"])["enum"]) == {"n", "Q", "M", "V"}
+    detail = f"{path}/{{token_id}}"
+    has_fields(doc, response_schema(doc, detail, "get"), "token_id token n Q M V", "GET .../tokens/{token_id}")
+    assert "404" in operation(doc, detail, "get")["responses"], "404 if never seen"
+
+
+def test_diagnostics_endpoints(doc):
+    operation(doc, f"{C}/layers/{{layer}}/isotropy", "get")
+    operation(doc, f"{C}/layers/{{layer}}/outliers", "get")
+
+
+def test_errors_are_documented_with_type_and_message(doc):
+    has_fields(doc, {"$ref": "#/components/schemas/ErrorBody"}, "type message", "ErrorBody")
+    for path, method, status in [("/v1/jobs", "post", "404"), ("/v1/jobs", "post", "413"),
+                                 ("/v1/jobs/{job_id}", "get", "404"), (f"{C}/layers", "get", "404")]:
+        schema = response_schema(doc, path, method, status)
+        has_fields(doc, schema, "type message", f"{method.upper()} {path} -> {status}")
