@@ -141,14 +141,19 @@ def _encode_cursor(payload: dict) -> str:
     return base64.urlsafe_b64encode(json.dumps(payload).encode()).decode().rstrip("=")
 
 
-def _decode_cursor(cursor: str) -> dict:
+def _decode_cursor(cursor: str) -> tuple[float, int]:
+    """The (value, token id) a cursor resumes after; anything else is ``invalid_cursor``."""
     try:
         padded = cursor + "=" * (-len(cursor) % 4)
         payload = json.loads(base64.urlsafe_b64decode(padded.encode()))
-        if not isinstance(payload, dict) or "v" not in payload or "id" not in payload:
+        value, token_id = payload["v"], payload["id"]
+        if isinstance(value, bool) or isinstance(token_id, bool) or not isinstance(token_id, int):
+            raise TypeError
+        value = float(value)
+        if not np.isfinite(value):
             raise ValueError
-        return payload
-    except (ValueError, TypeError):
+        return value, token_id
+    except (ValueError, TypeError, KeyError, OverflowError):
         raise InvalidInput("cursor is not one this service issued", type="invalid_cursor") from None
 
 
@@ -182,8 +187,8 @@ def token_page(store: AccumulatorStore, pair: K.PairKeys, layer: int, tokenizer,
     sign = -1.0 if desc else 1.0
     order = np.lexsort((ids, sign * key))
     if cursor is not None:
-        c = _decode_cursor(cursor)
-        last_v, last_id = sign * float(c["v"]), int(c["id"])
+        last_v, last_id = _decode_cursor(cursor)
+        last_v *= sign
         sk = sign * key[order]
         after = (sk > last_v) | ((sk == last_v) & (ids[order] > last_id))
         order = order[after]

@@ -59,6 +59,10 @@ class JobCreate(BaseModel):
         for i, t in enumerate(texts):
             if not t.strip():
                 raise ValueError(f"text {i} is empty")
+            try:
+                t.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError(f"text {i} is not valid Unicode (lone surrogate)") from None
         return texts
 
 
