@@ -238,6 +238,20 @@ def _transform(spec: Optional[str]):
         raise InvalidInput(str(exc), type="invalid_transform") from None
 
 
+def _layer_moments(store: AccumulatorStore, pair: K.PairKeys, layer: int, t):
+    """``(meta, (global, cov, transformed cov, unit_sum, unit_sq_sum))``; None when empty."""
+    meta, state = store.covariance_state(pair, [layer])
+    if meta is None or state[layer][0].n == 0:
+        return meta, None
+    g, comoment, unit_sum, unit_sq = state[layer]
+    cov = comoment / g.n
+    try:
+        cov_t = diagnostics.transform_covariance(cov, t)
+    except ValueError as exc:
+        raise InvalidInput(str(exc), type="invalid_transform") from None
+    return meta, (g, cov, cov_t, unit_sum, unit_sq)
+
+
 UNAVAILABLE_UNDER_TRANSFORM = (
     "not a function of the streamed moments once a transform is applied; not approximated"
 )
@@ -253,19 +267,14 @@ def isotropy(store: AccumulatorStore, pair: K.PairKeys, layer: int, transform: O
     from the matrix of per-token means with ``n_t >= min_count``, transformed alike.
     """
     t = _transform(transform)
-    meta, state = store.covariance_state(pair, [layer])
+    meta, moments = _layer_moments(store, pair, layer, t)
     out = {"layer": layer, "transform": transform or "none", "n": 0, "isoscore": None,
            "mean_cosine": None, "effective_rank": None, "participation_ratio": None,
            "top_eigenvalue_ratio": None, "partition_isotropy": None, "eigenvalues": None,
            "unavailable": {}, "as_of": _as_of(meta)}
-    if meta is None or state[layer][0].n == 0:
+    if moments is None:
         return out
-    g, comoment, unit_sum, unit_sq = state[layer]
-    cov = comoment / g.n
-    try:
-        cov_t = diagnostics.transform_covariance(cov, t)
-    except ValueError as exc:
-        raise InvalidInput(str(exc), type="invalid_transform") from None
+    g, cov, cov_t, unit_sum, unit_sq = moments
     lam = diagnostics.covariance_eigenvalues(cov_t)
     out.update({
         "n": g.n,
@@ -302,18 +311,13 @@ def outliers(store: AccumulatorStore, pair: K.PairKeys, layer: int, threshold: f
     t = _transform(transform)
     if not threshold > 0:
         raise InvalidInput("threshold must be > 0", type="invalid_threshold")
-    meta, state = store.covariance_state(pair, [layer])
+    meta, moments = _layer_moments(store, pair, layer, t)
     out = {"layer": layer, "threshold": threshold, "transform": transform or "none", "n": 0,
            "dimensions": [], "rogue": None, "mean_cosine": None, "unavailable": {},
            "as_of": _as_of(meta)}
-    if meta is None or state[layer][0].n == 0:
+    if moments is None:
         return out
-    g, comoment, unit_sum, unit_sq = state[layer]
-    cov = comoment / g.n
-    try:
-        cov_t = diagnostics.transform_covariance(cov, t)
-    except ValueError as exc:
-        raise InvalidInput(str(exc), type="invalid_transform") from None
+    g, cov, cov_t, unit_sum, unit_sq = moments
     mean_t = np.zeros_like(g.mean) if t.kind != "none" else g.mean
     out["n"] = g.n
     out["dimensions"] = diagnostics.outlier_dimensions(np.diag(cov_t), mean_t, threshold)
