@@ -113,31 +113,44 @@ class JobQueue:
         job_id = uuid.uuid4().hex
         stream = K.stream(request.model)
         self.ensure_group(stream)
-        if idempotency_key is not None:
-            # Claim the key first: of two racing requests with one key, one job wins.
-            # A key left by a job of a deleted collection generation is free again.
-            if not self.r.set(K.idempotency(idempotency_key), job_id, nx=True, ex=self.idempotency_ttl):
-                replay = self._replay(idempotency_key, fingerprint)
-                if replay is not None:
-                    return replay, False
-                self.r.set(K.idempotency(idempotency_key), job_id, ex=self.idempotency_ttl)
-        gen = int(self.r.get(pair.gen) or b"0")
         payload = json.dumps(list(request.texts), ensure_ascii=False)
+        idem = K.idempotency(idempotency_key) if idempotency_key is not None else None
+        # The key, the job hash, its payload and its stream entry are written in one
+        # MULTI, under WATCH of the key: of two racing requests with one key, exactly one
+        # EXEC succeeds and the other finds its job on the retry. (Claiming the key with
+        # SET NX before the MULTI let a racer see the key before its job existed, take
+        # it for a dead key, and enqueue a second job.) WATCH of the generation keeps a
+        # DELETE from slipping between reading it and enqueuing.
         with self.r.pipeline(transaction=True) as p:
-            p.hset(pair.job(job_id), mapping={
-                "job_id": job_id, "collection": request.collection, "model": request.model,
-                "status": "queued", "texts": len(request.texts), "tokens": 0, "progress": 0.0,
-                "bytes": len(payload.encode()), "error": "", "attempts": 0, "epoch": 0,
-                "worker": "", "gen": gen, "include_special": int(request.include_special),
-                "created_at": repr(_now()), "idempotency_key": idempotency_key or "",
-                "fingerprint": fingerprint,
-            })
-            p.set(pair.payload(job_id), payload)
-            p.set(K.jobref(job_id), pair.pair)
-            p.sadd(K.PAIRS, pair.pair)
-            p.xadd(stream, {"job_id": job_id, "pair": pair.pair})
-            p.execute()
-        return job_id, True
+            while True:
+                try:
+                    p.watch(pair.gen, *([idem] if idem else []))
+                    if idem is not None:
+                        # A key left by a job of a deleted collection generation is free again.
+                        replay = self._replay(idempotency_key, fingerprint)
+                        if replay is not None:
+                            p.unwatch()
+                            return replay, False
+                    gen = int(p.get(pair.gen) or b"0")
+                    p.multi()
+                    if idem is not None:
+                        p.set(idem, job_id, ex=self.idempotency_ttl)
+                    p.hset(pair.job(job_id), mapping={
+                        "job_id": job_id, "collection": request.collection, "model": request.model,
+                        "status": "queued", "texts": len(request.texts), "tokens": 0, "progress": 0.0,
+                        "bytes": len(payload.encode()), "error": "", "attempts": 0, "epoch": 0,
+                        "worker": "", "gen": gen, "include_special": int(request.include_special),
+                        "created_at": repr(_now()), "idempotency_key": idempotency_key or "",
+                        "fingerprint": fingerprint,
+                    })
+                    p.set(pair.payload(job_id), payload)
+                    p.set(K.jobref(job_id), pair.pair)
+                    p.sadd(K.PAIRS, pair.pair)
+                    p.xadd(stream, {"job_id": job_id, "pair": pair.pair})
+                    p.execute()
+                    return job_id, True
+                except redis.WatchError:
+                    continue
 
     def _replay(self, idempotency_key: str, fingerprint: str) -> Optional[str]:
         """The job an idempotency key already names, if it still counts.
@@ -251,14 +264,38 @@ class JobQueue:
         return Delivery(job_id, entry_id, stream, pair, int(epoch), int(attempts),
                         bool(int(include_special or 0)), json.loads(payload))
 
-    def refresh(self, delivery: Delivery, worker_id: str) -> None:
-        """Reset the entry's idle time so no other worker takes it over (heartbeat)."""
+    def refresh(self, delivery: Delivery, worker_id: str) -> bool:
+        """Reset the entry's idle time so no other worker takes it over (heartbeat).
+
+        Returns False, and claims nothing, once a newer delivery owns the job: XCLAIM with
+        ``min_idle_time=0`` would otherwise pull the entry back from the worker that took
+        it over, and keep refreshing it for a delivery that can no longer commit. (The
+        check and the claim are two commands, the stream and the job hash being in
+        different slots: a take-over between them is undone by the new owner's next
+        heartbeat, and this one stops at its next.)
+        """
+        epoch = self.r.hget(delivery.pair.job(delivery.job_id), "epoch")
+        if epoch is None or int(epoch) != delivery.epoch:
+            return False
         self.r.xclaim(delivery.stream, K.GROUP, worker_id, min_idle_time=0,
                       message_ids=[delivery.entry_id], justid=True)
+        return True
 
-    def progress(self, delivery: Delivery, fraction: float, tokens: int) -> None:
-        self.r.hset(delivery.pair.job(delivery.job_id),
-                    mapping={"progress": round(fraction, 4), "tokens": tokens})
+    # Progress is written only by the delivery that owns the job, and only while it runs:
+    # a stale delivery must not overwrite the owner's progress, and a heartbeat that lost
+    # the race with the commit must not turn a done job's progress back below 1.
+    _PROGRESS = """
+    if redis.call('HGET', KEYS[1], 'epoch') == ARGV[1]
+        and redis.call('HGET', KEYS[1], 'status') == 'running' then
+        redis.call('HSET', KEYS[1], 'progress', ARGV[2], 'tokens', ARGV[3])
+        return 1
+    end
+    return 0
+    """
+
+    def progress(self, delivery: Delivery, fraction: float, tokens: int) -> bool:
+        return bool(self.r.eval(self._PROGRESS, 1, delivery.pair.job(delivery.job_id),
+                                str(delivery.epoch), repr(round(fraction, 4)), int(tokens)))
 
     def ack(self, stream: str, entry_id: bytes) -> None:
         with self.r.pipeline(transaction=True) as p:

@@ -60,6 +60,11 @@ class Worker:
         self.store = AccumulatorStore(client)
         self.models = list(settings.worker_models or self.registry.names())
         self.stop_event = threading.Event()
+        # The heartbeat stops only when the loop has ended, not at the stop request: a
+        # worker finishing its job during its SIGTERM grace must keep its lease (else the
+        # job is taken over and its own commit fenced) and stay visible in /readyz.
+        self._beat_stop = threading.Event()
+        self._lost: Optional[Delivery] = None  # the current delivery, once taken over
         self._stop_deadline: Optional[float] = None
         self._current: Optional[Delivery] = None
         self._progress: Optional[tuple[float, int]] = None
@@ -94,6 +99,7 @@ class Worker:
                     self.stop_event.wait(0.5)
         finally:
             self.stop_event.set()
+            self._beat_stop.set()
             beat.join(timeout=5)
             try:
                 self.r.zrem(K.WORKERS, self.id)
@@ -116,6 +122,9 @@ class Worker:
             except HandBack:
                 self._hand_back(delivery)
                 return "handed_back"
+            except JobFenced:
+                log.warning("job %s was taken over mid-way; dropping this delivery", delivery.job_id)
+                return "fenced"
             except (redis.ConnectionError, redis.TimeoutError):
                 raise
             except Exception as exc:  # a failed attempt: retry or dead-letter
@@ -150,11 +159,14 @@ class Worker:
             return outcome
         finally:
             with self._lock:
-                self._current, self._progress = None, None
+                self._current, self._progress, self._lost = None, None, None
 
     def _on_progress(self, fraction: float, tokens: int) -> None:
         with self._lock:
             self._progress = (fraction, tokens)
+            lost = self._current is not None and self._lost is self._current
+        if lost:  # another worker owns the job now: its commit would be fenced anyway
+            raise JobFenced("the job was taken over by a newer delivery")
         if self._stop_deadline is not None and time.monotonic() > self._stop_deadline:
             raise HandBack()
 
@@ -180,15 +192,18 @@ class Worker:
                     p.set(K.worker(self.id), json.dumps(details), ex=int(ttl) + 1)
                     p.execute()
                 if current is not None:
-                    self.queue.refresh(current, self.id)
-                    if progress is not None:
+                    if not self.queue.refresh(current, self.id):
+                        with self._lock:
+                            if self._current is current:
+                                self._lost = current
+                    elif progress is not None:
                         with self._lock:  # re-check: the commit must not race this write
                             still = self._current is current and self._progress is not None
                         if still:
                             self.queue.progress(current, *progress)
             except redis.RedisError as exc:
                 log.debug("heartbeat failed: %s", exc)
-            if self.stop_event.wait(period):
+            if self._beat_stop.wait(period):
                 return
 
 
