@@ -627,7 +627,22 @@ def parse_transform(spec) -> Transform:
     )
 
 
-def transform_covariance(cov, transform) -> np.ndarray:
+def _varying_dimensions(var: np.ndarray, mean) -> np.ndarray:
+    """Which dimensions vary, judged against each dimension's own scale.
+
+    With the mean known, a dimension is constant when its spread is below roundoff of its
+    own values, ``var_i <= (1e-12 |mean_i|)^2`` (a constant coordinate merges to exactly 0
+    or an ulp-sized trace); tiny but genuine variation (a LayerNorm weight of 1e-32 still
+    gives std/|mean| ~ 10) is kept. Without the mean, fall back to 1e-12 of the largest
+    variance.
+    """
+    if mean is None:
+        return var > _ZERO_VARIANCE_RTOL * var.max()
+    mean = np.asarray(mean, dtype=np.float64)
+    return (var > 0) & (var > (_ZERO_VARIANCE_RTOL * np.abs(mean)) ** 2)
+
+
+def transform_covariance(cov, transform, mean=None) -> np.ndarray:
     """Covariance of the embeddings after a post-processing transform.
 
     Parameters
@@ -637,15 +652,19 @@ def transform_covariance(cov, transform) -> np.ndarray:
         linear in ``C`` except standardisation, which is scale invariant).
     transform : str or None or Transform
         See :func:`parse_transform`.
+    mean : array-like of shape (d,), optional
+        The embeddings' mean; with it, "standardize" judges each dimension's constancy
+        against its own scale (see ``_varying_dimensions``).
 
     Returns
     -------
     cov_t : ndarray of shape (d, d), float64
         - ``"none"``: ``C``.
         - ``"standardize"``: the correlation matrix ``D^-1/2 C D^-1/2`` with
-          ``D = diag(C)``, the covariance of per-dimension z-scores. A dimension of
-          (numerically) zero variance, ``C_ii <= 1e-12 * max_j C_jj``, gets a zero row and
-          column, as a z-score defined as 0 for a constant dimension would.
+          ``D = diag(C)``, the covariance of per-dimension z-scores. A dimension that is
+          constant up to roundoff (``C_ii <= (1e-12 mean_i)^2`` given the mean, else
+          ``C_ii <= 1e-12 max_j C_jj``) gets a zero row and column, as a z-score defined
+          as 0 for a constant dimension would.
         - ``"abtt:D"``: ``P C P`` with ``P = I - sum_{i<D} u_i u_i^T``, ``u_i`` the
           eigenvectors of ``C`` for its ``D`` largest eigenvalues. This is the covariance
           of ``(x - mean) P``, all-but-the-top: the mean subtraction does not change a
@@ -671,7 +690,7 @@ def transform_covariance(cov, transform) -> np.ndarray:
         var = np.diag(c).copy()
         if np.any(var < 0):
             raise ValueError("cov has a negative variance on its diagonal")
-        keep = var > _ZERO_VARIANCE_RTOL * var.max()
+        keep = _varying_dimensions(var, mean)
         inv_sd = np.zeros(d)
         inv_sd[keep] = 1.0 / np.sqrt(var[keep])
         r = c * inv_sd[:, None] * inv_sd[None, :]
@@ -723,7 +742,7 @@ def transform_points(points, mean, cov, transform) -> np.ndarray:
     centred = x - np.asarray(mean, dtype=np.float64)
     if t.kind == "standardize":
         var = np.diag(c)
-        keep = var > _ZERO_VARIANCE_RTOL * var.max()
+        keep = _varying_dimensions(var, mean)
         inv_sd = np.zeros_like(var)
         inv_sd[keep] = 1.0 / np.sqrt(var[keep])
         return centred * inv_sd

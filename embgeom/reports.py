@@ -246,7 +246,7 @@ def _layer_moments(store: AccumulatorStore, pair: K.PairKeys, layer: int, t):
     g, comoment, unit_sum, unit_sq = state[layer]
     cov = comoment / g.n
     try:
-        cov_t = diagnostics.transform_covariance(cov, t)
+        cov_t = diagnostics.transform_covariance(cov, t, mean=g.mean)
     except ValueError as exc:
         raise InvalidInput(str(exc), type="invalid_transform") from None
     return meta, (g, cov, cov_t, unit_sum, unit_sq)

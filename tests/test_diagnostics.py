@@ -508,3 +508,21 @@ def test_best_threshold_rejects_bad_labels():
         dg.best_threshold_accuracy([1.0, 2.0], [0, 2], [], [])
     with pytest.raises(ValueError, match="shape"):
         dg.best_threshold_accuracy([1.0, 2.0], [0], [], [])
+
+
+def test_standardize_keeps_tiny_but_varying_dimensions_given_the_mean():
+    # A LayerNorm weight of ~1e-32 leaves a dimension whose values are ~1e-32 yet vary
+    # (std/|mean| ~ 10): it must be standardised, not zeroed as "constant"; a truly
+    # constant dimension (variance 0) is still zeroed.
+    rng = np.random.default_rng(7)
+    X = rng.normal(size=(500, 4))
+    X[:, 1] *= 1e-32
+    X[:, 2] = 3.0
+    cov = np.cov(X.T, bias=True)
+    mean = X.mean(axis=0)
+    from embgeom.diagnostics import transform_covariance
+
+    r = transform_covariance(cov, "standardize", mean=mean)
+    assert np.allclose(np.diag(r), [1.0, 1.0, 0.0, 1.0])
+    expected = np.corrcoef(X[:, [0, 1, 3]].T)
+    assert np.allclose(r[np.ix_([0, 1, 3], [0, 1, 3])], expected, atol=1e-12)
