@@ -15,6 +15,9 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
+# Imported here, once, on the importing thread: transformers' lazy module loading is not
+# thread-safe, and the API thread and a worker thread may both reach it first.
+from transformers import AutoConfig, AutoModel, AutoTokenizer
 
 from embgeom.errors import ModelLoadError, UnknownModel
 from embgeom.positions import Window
@@ -97,8 +100,6 @@ class ModelRegistry:
     def info(self, name: str) -> ModelInfo:
         if name in self._infos:
             return self._infos[name]
-        from transformers import AutoConfig
-
         spec = self.source(name)
         path = self.path(name)
         try:
@@ -121,8 +122,6 @@ class ModelRegistry:
 
     def tokenizer(self, name: str):
         if name not in self._tokenizers:
-            from transformers import AutoTokenizer
-
             spec = self.source(name)
             try:
                 kwargs = {"gguf_file": spec.gguf_file} if spec.gguf_file else {}
@@ -244,8 +243,6 @@ class ModelPool:
             torch.cuda.empty_cache()
 
     def _load(self, name: str) -> LoadedModel:
-        from transformers import AutoModel
-
         info = self.registry.info(name)
         spec = self.registry.source(name)
         path = self.registry.path(name)

@@ -68,7 +68,8 @@ def outlier_dimension_probe(loaded: LoadedModel, texts: Sequence[str], labels: S
         raise InvalidInput(f"pooling must be one of {', '.join(POOLINGS)}", type="invalid_pooling")
     if len(texts) != len(labels):
         raise InvalidInput("texts and labels must have the same length", type="invalid_labels")
-    classes = sorted(set(labels), key=str)
+    labels = [str(label) for label in labels]  # 1 and "1" name one class
+    classes = sorted(set(labels))
     if len(classes) != 2:
         raise InvalidInput(f"the probe is binary: labels must take exactly 2 values, got {len(classes)}",
                            type="invalid_labels")
