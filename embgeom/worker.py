@@ -97,6 +97,11 @@ class Worker:
                     log.warning("worker %s lost Redis (%s); retrying", self.id, exc)
                     self.queue.forget_groups()  # a restarted Redis may have lost them
                     self.stop_event.wait(0.5)
+                except Exception:
+                    # Never let one bad moment end the worker: the job, if any, stays
+                    # pending and is delivered again (here or elsewhere).
+                    log.exception("worker %s: unexpected error; continuing", self.id)
+                    self.stop_event.wait(1.0)
         finally:
             self.stop_event.set()
             self._beat_stop.set()
@@ -150,6 +155,12 @@ class Worker:
             except JobFenced:
                 log.warning("job %s was taken over; dropping this delivery", delivery.job_id)
                 return "fenced"
+            except redis.ResponseError as exc:
+                # Redis refused the write (e.g. "OOM command not allowed" under noeviction):
+                # nothing was applied; record why and let the job be tried again.
+                log.error("commit of job %s refused by Redis: %s", delivery.job_id, exc)
+                self.queue.retry_later(delivery, f"commit refused by Redis: {exc}")
+                return "failed"
             if outcome == "void":
                 self.queue.fail(delivery.pair, delivery.job_id, delivery.stream, delivery.entry_id,
                                 "the collection was deleted while the job was queued or running")
