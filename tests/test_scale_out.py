@@ -17,7 +17,6 @@ the same ``/layers``.
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
 import signal
 import threading
@@ -413,7 +412,6 @@ def test_crash_between_commit_and_ack_counts_once(server, pool, tokenizer):
         job_a = post_job(client, SMALL[0], "gap")
         job_b = post_job(client, SMALL[1], "gap")
 
-        # A fresh worker (another id) takes over the entry after the lease.
         crashed = in_process_worker(server.url, pool, "crashes-in-ack", AckCrashingQueue)
         d = take(crashed)
         assert d is not None and d.job_id == job_a
@@ -421,9 +419,10 @@ def test_crash_between_commit_and_ack_counts_once(server, pool, tokenizer):
             crashed.process(d)
         assert client.get(f"/v1/jobs/{job_a}").json()["status"] == "done"
         assert stream_state(rdb)[1] == 1  # committed, but its entry is still pending
+        # A fresh worker (another id) takes the entry over after the lease; the
+        # redelivery finds the job committed: acknowledged, nothing counted.
         fresh = in_process_worker(server.url, pool, "fresh")
         time.sleep(crashed.settings.lease_seconds + 0.5)
-        # The redelivery finds the job committed: acknowledged, nothing counted.
         assert fresh.queue.take(fresh.id, [MODEL], fresh.settings.lease_seconds, block_ms=100) is None
         assert stream_state(rdb) == (1, 0)  # only job b's entry is left, undelivered
 
