@@ -70,6 +70,7 @@ class JobQueue:
         self.max_pending = max_pending
         self.idempotency_ttl = idempotency_ttl
         self._groups: set[str] = set()
+        self._claim_cursor: dict[str, bytes | str] = {}
 
     # ------------------------------------------------------------- submission
     def ensure_group(self, stream: str) -> None:
@@ -81,6 +82,22 @@ class JobQueue:
             if "BUSYGROUP" not in str(exc):
                 raise
         self._groups.add(stream)
+
+    def prune_consumers(self, models: Sequence[str], idle_seconds: float = 3600.0) -> int:
+        """Remove consumers (dead workers) that hold nothing and were idle this long.
+
+        Each worker process joins the group under a new name; without this the group's
+        consumer list would only grow. Returns how many were removed.
+        """
+        removed = 0
+        for model in models:
+            stream = K.stream(model)
+            self.ensure_group(stream)
+            for consumer in self.r.xinfo_consumers(stream, K.GROUP):
+                if consumer["pending"] == 0 and consumer["idle"] >= idle_seconds * 1000:
+                    self.r.xgroup_delconsumer(stream, K.GROUP, consumer["name"])
+                    removed += 1
+        return removed
 
     def forget_groups(self) -> None:
         """Re-check the consumer groups on next use (after a reconnect)."""
@@ -209,10 +226,14 @@ class JobQueue:
         for stream in streams:
             self.ensure_group(stream)
         for stream in streams:
-            _, claimed, *_ = self.r.xautoclaim(
+            # Resume the scan where the last one stopped: one XAUTOCLAIM call looks at a
+            # bounded number of pending entries, and an expired entry further down must
+            # still be found when many workers hold fresh ones.
+            next_id, claimed, *_ = self.r.xautoclaim(
                 stream, K.GROUP, worker_id, min_idle_time=int(lease_seconds * 1000),
-                start_id="0-0", count=1,
+                start_id=self._claim_cursor.get(stream, "0-0"), count=1,
             )
+            self._claim_cursor[stream] = next_id
             if claimed:
                 entry_id, fields = claimed[0]
                 if fields:  # an entry deleted meanwhile comes back empty
@@ -303,21 +324,50 @@ class JobQueue:
             p.xdel(stream, entry_id)
             p.execute()
 
-    def retry_later(self, delivery: Delivery, error: str) -> None:
-        """A failed attempt: record the error and put the job back at the end of the queue."""
+    def _as_owner(self, job_key: str, epoch: Optional[int], write) -> bool:
+        """Run ``write(pipe)`` in one MULTI, only while ``epoch`` still owns the job.
+
+        A superseded delivery (another worker took the job over) must neither requeue nor
+        dead-letter it. ``epoch=None`` skips the check (used at delivery time).
+        """
         with self.r.pipeline(transaction=True) as p:
+            while True:
+                try:
+                    p.watch(job_key)
+                    if epoch is not None and int(p.hget(job_key, "epoch") or b"0") != epoch:
+                        p.unwatch()
+                        return False
+                    p.multi()
+                    write(p)
+                    p.execute()
+                    return True
+                except redis.WatchError:
+                    continue
+
+    def retry_later(self, delivery: Delivery, error: str, attempt_counts: bool = True) -> bool:
+        """A failed attempt: record the error and put the job back at the end of the queue.
+
+        With ``attempt_counts=False`` (a hand-back) the attempt is not counted. Returns
+        False when the delivery no longer owns the job (nothing is changed then).
+        """
+        def write(p):
             p.hset(delivery.pair.job(delivery.job_id), mapping={"status": "queued", "error": error})
+            if not attempt_counts:
+                p.hincrby(delivery.pair.job(delivery.job_id), "attempts", -1)
             p.xack(delivery.stream, K.GROUP, delivery.entry_id)
             p.xdel(delivery.stream, delivery.entry_id)
             p.xadd(delivery.stream, {"job_id": delivery.job_id, "pair": delivery.pair.pair})
-            p.execute()
+        return self._as_owner(delivery.pair.job(delivery.job_id), delivery.epoch, write)
 
-    def fail(self, pair: K.PairKeys, job_id: str, stream: str, entry_id: bytes, error: str) -> None:
-        """Dead-letter a job: failed with its error, payload dropped, entry acknowledged."""
-        with self.r.pipeline(transaction=True) as p:
+    def fail(self, pair: K.PairKeys, job_id: str, stream: str, entry_id: bytes, error: str,
+             epoch: Optional[int] = None) -> bool:
+        """Dead-letter a job: failed with its error, payload dropped, entry acknowledged.
+
+        With ``epoch``, only while that delivery still owns the job."""
+        def write(p):
             p.hset(pair.job(job_id), mapping={"status": "failed", "error": error,
                                               "finished_at": repr(_now())})
             p.delete(pair.payload(job_id))
             p.xack(stream, K.GROUP, entry_id)
             p.xdel(stream, entry_id)
-            p.execute()
+        return self._as_owner(pair.job(job_id), epoch, write)

@@ -82,6 +82,10 @@ class Worker:
         beat = threading.Thread(target=self._heartbeat_loop, name=f"heartbeat-{self.id}", daemon=True)
         beat.start()
         try:
+            self.queue.prune_consumers(self.models)
+        except redis.RedisError as exc:
+            log.debug("could not prune idle consumers: %s", exc)
+        try:
             while not self.stop_event.is_set():
                 try:
                     # Our own unacknowledged entries first: one read of several streams
@@ -138,7 +142,8 @@ class Worker:
                 if delivery.attempts >= self.settings.max_attempts:
                     self.queue.fail(delivery.pair, delivery.job_id, delivery.stream,
                                     delivery.entry_id,
-                                    f"failed after {delivery.attempts} attempts: {error}")
+                                    f"failed after {delivery.attempts} attempts: {error}",
+                                    epoch=delivery.epoch)
                 else:
                     self.queue.retry_later(delivery, error)
                 return "failed"
@@ -163,7 +168,8 @@ class Worker:
                 return "failed"
             if outcome == "void":
                 self.queue.fail(delivery.pair, delivery.job_id, delivery.stream, delivery.entry_id,
-                                "the collection was deleted while the job was queued or running")
+                                "the collection was deleted while the job was queued or running",
+                                epoch=delivery.epoch)
                 return "void"
             self.queue.ack(delivery.stream, delivery.entry_id)
             self.jobs_done += outcome == "committed"
@@ -183,8 +189,7 @@ class Worker:
 
     def _hand_back(self, delivery: Delivery) -> None:
         """Give the job back to the queue without counting the attempt."""
-        self.r.hincrby(delivery.pair.job(delivery.job_id), "attempts", -1)
-        self.queue.retry_later(delivery, "")
+        self.queue.retry_later(delivery, "", attempt_counts=False)
 
     # -------------------------------------------------------------- heartbeat
     def _heartbeat_loop(self) -> None:
