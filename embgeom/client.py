@@ -405,6 +405,15 @@ def _cell(value, fmt: str) -> str:
     return repr(value) if isinstance(value, float) else str(value)
 
 
+def _listed(items, most: int = 5) -> str:
+    """At most ``most`` items, then how many more."""
+    items = list(items)
+    if not items:
+        return "-"
+    more = f" +{len(items) - most} more" if len(items) > most else ""
+    return " ".join(items[:most]) + more
+
+
 def isotropy_rows(client: "EmbgeomClient", collection: str, model: str, threshold: float = 5.0,
                   min_count: int = 1, rogue: int = 3) -> list[dict]:
     """Per layer: isotropy figures, outlier dimensions and the top rogue dimensions."""
@@ -419,7 +428,7 @@ def isotropy_rows(client: "EmbgeomClient", collection: str, model: str, threshol
             **{k: iso.get(k) for k in ("layer", "n", "isoscore", "mean_cosine", "effective_rank",
                                        "participation_ratio", "top_eigenvalue_ratio",
                                        "partition_isotropy")},
-            "outliers": " ".join(f"{d['dim']}({d['ratio']:.1f})" for d in out["dimensions"]) or "-",
+            "outliers": _listed(f"{d['dim']}({d['ratio']:.1f})" for d in out["dimensions"]),
             "rogue": " ".join(f"{d['dim']}({d['share']:.2f})" for d in (out["rogue"] or [])) or "-",
         })
     return rows
