@@ -238,18 +238,19 @@ def _transform(spec: Optional[str]):
         raise InvalidInput(str(exc), type="invalid_transform") from None
 
 
-def _layer_moments(store: AccumulatorStore, pair: K.PairKeys, layer: int, t):
-    """``(meta, (global, cov, transformed cov, unit_sum, unit_sq_sum))``; None when empty."""
-    meta, state = store.covariance_state(pair, [layer])
+def _layer_moments(store: AccumulatorStore, pair: K.PairKeys, layer: int, t, with_means: bool = False):
+    """``(meta, (global, cov, transformed cov, unit_sum, unit_sq_sum[, token means]))``
+    from one snapshot; None when the layer is empty."""
+    meta, state = store.covariance_state(pair, [layer], with_means=with_means)
     if meta is None or state[layer][0].n == 0:
         return meta, None
-    g, comoment, unit_sum, unit_sq = state[layer]
+    g, comoment, unit_sum, unit_sq = state[layer][:4]
     cov = comoment / g.n
     try:
         cov_t = diagnostics.transform_covariance(cov, t, mean=g.mean)
     except ValueError as exc:
         raise InvalidInput(str(exc), type="invalid_transform") from None
-    return meta, (g, cov, cov_t, unit_sum, unit_sq)
+    return meta, (g, cov, cov_t, unit_sum, unit_sq) + tuple(state[layer][4:])
 
 
 UNAVAILABLE_UNDER_TRANSFORM = (
@@ -267,14 +268,14 @@ def isotropy(store: AccumulatorStore, pair: K.PairKeys, layer: int, transform: O
     from the matrix of per-token means with ``n_t >= min_count``, transformed alike.
     """
     t = _transform(transform)
-    meta, moments = _layer_moments(store, pair, layer, t)
+    meta, moments = _layer_moments(store, pair, layer, t, with_means=partition)
     out = {"layer": layer, "transform": transform or "none", "n": 0, "isoscore": None,
            "mean_cosine": None, "effective_rank": None, "participation_ratio": None,
            "top_eigenvalue_ratio": None, "partition_isotropy": None, "eigenvalues": None,
            "unavailable": {}, "as_of": _as_of(meta)}
     if moments is None:
         return out
-    g, cov, cov_t, unit_sum, unit_sq = moments
+    g, cov, cov_t, unit_sum, unit_sq = moments[:5]
     lam = diagnostics.covariance_eigenvalues(cov_t)
     out.update({
         "n": g.n,
@@ -290,8 +291,7 @@ def isotropy(store: AccumulatorStore, pair: K.PairKeys, layer: int, transform: O
     else:
         out["unavailable"]["mean_cosine"] = UNAVAILABLE_UNDER_TRANSFORM
     if partition:
-        _, means = store.token_means(pair, [layer])
-        ids, n_t, _, mean_t = means[layer]
+        ids, n_t, _, mean_t = moments[5]
         keep = n_t >= min_count
         if keep.sum() >= 1:
             W = diagnostics.transform_points(mean_t[keep], g.mean, cov, t)
@@ -317,7 +317,7 @@ def outliers(store: AccumulatorStore, pair: K.PairKeys, layer: int, threshold: f
            "as_of": _as_of(meta)}
     if moments is None:
         return out
-    g, cov, cov_t, unit_sum, unit_sq = moments
+    g, cov, cov_t, unit_sum, unit_sq = moments[:5]
     mean_t = np.zeros_like(g.mean) if t.kind != "none" else g.mean
     out["n"] = g.n
     out["dimensions"] = diagnostics.outlier_dimensions(np.diag(cov_t), mean_t, threshold)

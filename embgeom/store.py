@@ -249,21 +249,31 @@ class AccumulatorStore:
         scalars = {l: _decode_scalars(out[width * i + 2]) for i, l in enumerate(layers)} if with_scalars else {}
         return meta, globs, types, scalars
 
-    def covariance_state(self, pair: K.PairKeys, layers: Sequence[int]):
-        """Per layer: (LayerGlobal, co-moment (d, d), unit_sum (d,), unit_sq_sum (d,))."""
+    def covariance_state(self, pair: K.PairKeys, layers: Sequence[int], with_means: bool = False):
+        """Per layer: (LayerGlobal, co-moment (d, d), unit_sum (d,), unit_sq_sum (d,)), and
+        with ``with_means`` a fifth item from the same snapshot: (ids, n, m2, means (k, d))
+        of every token type (a scan)."""
+        width = 3 if with_means else 2
+
         def cmds(p):
             for l in layers:
                 p.get(pair.glob(l))
                 p.get(pair.cov(l))
+                if with_means:
+                    p.hgetall(pair.tok(l))
         meta, out = self._read(pair, cmds)
         result = {}
         if meta is None:
             return None, result
         d = meta["hidden_size"]
         for i, l in enumerate(layers):
-            g = self._decode_glob(out[2 * i], d)
-            c = np.zeros(d * d + 2 * d) if out[2 * i + 1] is None else _unpack(out[2 * i + 1])
+            g = self._decode_glob(out[width * i], d)
+            raw = out[width * i + 1]
+            c = np.zeros(d * d + 2 * d) if raw is None else _unpack(raw)
             result[l] = (g, c[: d * d].reshape(d, d), c[d * d: d * d + d], c[d * d + d:])
+            if with_means:
+                ids, recs = _decode_hash(out[width * i + 2], d + 2)
+                result[l] += ((ids, recs[:, 0], recs[:, 1], recs[:, 2:]),)
         return meta, result
 
     def token_means(self, pair: K.PairKeys, layers: Sequence[int]) -> tuple[Optional[dict], dict]:
