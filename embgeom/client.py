@@ -156,24 +156,27 @@ class EmbgeomClient:
     def job(self, job_id: str) -> dict:
         return self._request("GET", f"/v1/jobs/{job_id}")
 
+    def jobs(self, job_ids: Sequence[str]) -> list[dict]:
+        """Status of many jobs in one request (``GET /v1/jobs?ids=``), in order."""
+        return self._request("GET", "/v1/jobs", params={"ids": ",".join(job_ids)})
+
     def wait(self, job_ids: Sequence[str], on_progress: Optional[Callable[[list], None]] = None,
              timeout: Optional[float] = None, poll_interval: float = 0.5,
              window: int = 64) -> list[dict]:
         """Poll until every job is done or failed; returns their final statuses, in order.
 
         ``on_progress(statuses)`` is called after each round with the latest status of
-        every job (``None`` for one not polled yet). A round polls the ``window`` oldest
-        unfinished jobs only: workers take jobs in order, so later ones rarely moved, and
-        a round stays a few requests however many jobs there are (the API has no status
-        of many jobs in one request). Raises ``TimeoutError`` after ``timeout`` seconds.
+        every job (``None`` for one not polled yet). A round asks for the ``window`` oldest
+        unfinished jobs in one request: workers take jobs in order, so later ones rarely
+        moved. Raises ``TimeoutError`` after ``timeout`` seconds.
         """
         ids = list(dict.fromkeys(job_ids))
         latest: dict[str, Optional[dict]] = {j: None for j in ids}
         pending = list(ids)
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            for job_id in pending[:window]:
-                latest[job_id] = self.job(job_id)
+            for status in self.jobs(pending[:window]):
+                latest[status["job_id"]] = status
             pending = [j for j in pending if (latest[j] or {}).get("status") not in TERMINAL]
             if on_progress is not None:
                 on_progress([latest[j] for j in job_ids])

@@ -178,11 +178,14 @@ def test_wait_polls_the_oldest_unfinished_jobs_and_reports_progress():
     polls: dict[str, int] = {}
 
     def handler(request):
-        job_id = request.url.path.rsplit("/", 1)[1]
-        polls[job_id] = polls.get(job_id, 0) + 1
-        done = polls[job_id] >= 2
-        return httpx.Response(200, json={"job_id": job_id, "status": "done" if done else "running",
-                                         "progress": 1.0 if done else 0.5, "tokens": 7})
+        assert request.url.path == "/v1/jobs"  # one request per round: GET /v1/jobs?ids=
+        statuses = []
+        for job_id in request.url.params["ids"].split(","):
+            polls[job_id] = polls.get(job_id, 0) + 1
+            done = polls[job_id] >= 2
+            statuses.append({"job_id": job_id, "status": "done" if done else "running",
+                             "progress": 1.0 if done else 0.5, "tokens": 7})
+        return httpx.Response(200, json=statuses)
 
     client, slept = _client(handler)
     seen = []
@@ -193,7 +196,7 @@ def test_wait_polls_the_oldest_unfinished_jobs_and_reports_progress():
     assert seen[-1] == ["done", "done", "done"]
     assert polls == {"a": 2, "b": 2, "c": 2}
 
-    client, _ = _client(lambda r: httpx.Response(200, json={"job_id": "x", "status": "queued", "progress": 0}))
+    client, _ = _client(lambda r: httpx.Response(200, json=[{"job_id": "x", "status": "queued", "progress": 0}]))
     with pytest.raises(TimeoutError):
         client.wait(["x"], timeout=0)
 
