@@ -1,7 +1,8 @@
 """The Redis key layout, in one place.
 
 Everything about one (collection, model) pair lives under a hash tag ``{c:m}`` so that
-on Redis Cluster it sits in one slot and a commit can be one MULTI/EXEC::
+on Redis Cluster it sits in one slot: a job's submission, delivery, retry, dead letter
+and commit are each one MULTI/EXEC (or WATCH/MULTI/EXEC) on that slot::
 
     eg:{c:m}:meta          hash   version (commit sequence), updated_at, num_layers, hidden_size
     eg:{c:m}:gen           string generation, bumped by DELETE; jobs of an older one are void
@@ -13,15 +14,28 @@ on Redis Cluster it sits in one slot and a commit can be one MULTI/EXEC::
     eg:{c:m}:L<l>:cov      string float64[d*d + 2d]           co-moment, sum u, sum u^2
     eg:{c:m}:job:<id>      hash   job status
     eg:{c:m}:payload:<id>  string the job's texts (JSON), deleted when committed
+    eg:{c:m}:jobs          stream job ids of the pair waiting for a worker (group ``workers``)
+    eg:{c:m}:idem:<key>    string job id for an Idempotency-Key used with this pair
 
-Global keys (small, one slot each)::
+Global keys (small, one slot each; never in a MULTI with a pair's keys)::
 
     eg:pairs               set    "c:m" of every collection/model with data or jobs
+    eg:streams:<model>     set    "c:m" of every pair that has (had) a job stream for
+                                  <model>: where workers serving <model> look for jobs
     eg:jobref:<id>         string "c:m" of a job, to find its status key
-    eg:idem:<key>          string job id for an Idempotency-Key
-    eg:jobs:<model>        stream job ids waiting for a worker that serves <model>
+    eg:idem:<key>          string "c:m" an Idempotency-Key was first used with (a reuse of
+                                  the key for another pair is refused while that job counts)
     eg:workers             zset   worker id -> last heartbeat (unix seconds)
     eg:worker:<id>         string worker's last heartbeat details (JSON, with a TTL)
+
+The directory entries (``eg:pairs``, ``eg:streams:<model>``, ``eg:jobref:<id>``,
+``eg:idem:<key>``) are written by separate idempotent commands *before* the pair-slot
+MULTI that enqueues a job, so a job that exists is always findable. A submission that
+fails or dies after them leaves an orphan entry, which is harmless: a jobref without a
+job hash reads as "no such job", a stream in the directory with nothing in it is polled
+and found empty, and a pair in ``eg:pairs`` without data answers like an empty pair
+(``DELETE`` removes it). ``DELETE`` never removes a stream from ``eg:streams:<model>``:
+a job enqueued concurrently must stay reachable.
 """
 
 from __future__ import annotations
@@ -83,6 +97,14 @@ class PairKeys:
     def payload(self, job_id: str) -> str:
         return self._k(f"payload:{job_id}")
 
+    @property
+    def jobs(self) -> str:
+        """The pair's job stream (consumer group :data:`GROUP`)."""
+        return self._k("jobs")
+
+    def idem(self, key: str) -> str:
+        return self._k(f"idem:{key}")
+
     def data_keys(self, num_layers: int) -> list[str]:
         """Every accumulator key (what DELETE removes)."""
         keys = [self.meta, self.committed]
@@ -105,11 +127,13 @@ def jobref(job_id: str) -> str:
 
 
 def idempotency(key: str) -> str:
+    """Global: the pair an Idempotency-Key was first used with (the job id is per pair)."""
     return f"eg:idem:{key}"
 
 
-def stream(model: str) -> str:
-    return f"eg:jobs:{model}"
+def streams(model: str) -> str:
+    """Global: the set of pairs ("c:m") whose job streams serve ``model``."""
+    return f"eg:streams:{model}"
 
 
 def worker(worker_id: str) -> str:

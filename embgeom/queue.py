@@ -1,11 +1,15 @@
 """Durable jobs on Redis Streams: submission, status, delivery, retries, dead letters.
 
-One stream per model (``eg:jobs:<model>``), one consumer group ``workers``. A stream
-entry carries only a job id; the texts wait in the pair's payload key and the status in
-the pair's job hash (see :mod:`embgeom.keys`). A delivery bumps the job's ``epoch``:
-only the newest delivery may commit it (fencing a worker that wakes up late). Entries
-are acknowledged and deleted once the job is committed or dead-lettered, so a stream's
-length is the number of pending jobs.
+One stream per (collection, model) pair (``eg:{c:m}:jobs``), in the pair's hash slot,
+one consumer group ``workers`` on each. A stream entry carries only a job id; the texts
+wait in the pair's payload key and the status in the pair's job hash (see
+:mod:`embgeom.keys`). So submission, delivery, requeue, dead letter, ack and commit each
+touch one slot only, and work unchanged on Redis Cluster. Workers find the streams of
+the models they serve in ``eg:streams:<model>`` and poll them one at a time, round-robin
+(no cross-slot XREADGROUP). A delivery bumps the job's ``epoch``: only the newest
+delivery may commit it (fencing a worker that wakes up late). Entries are acknowledged
+and deleted once the job is committed or dead-lettered, so the streams' total length is
+the number of pending jobs.
 """
 
 from __future__ import annotations
@@ -71,6 +75,7 @@ class JobQueue:
         self.idempotency_ttl = idempotency_ttl
         self._groups: set[str] = set()
         self._claim_cursor: dict[str, bytes | str] = {}
+        self._turn = 0  # round-robin start among the streams polled by take()
 
     # ------------------------------------------------------------- submission
     def ensure_group(self, stream: str) -> None:
@@ -90,8 +95,7 @@ class JobQueue:
         consumer list would only grow. Returns how many were removed.
         """
         removed = 0
-        for model in models:
-            stream = K.stream(model)
+        for stream in self.streams(models):
             self.ensure_group(stream)
             for consumer in self.r.xinfo_consumers(stream, K.GROUP):
                 if consumer["pending"] == 0 and consumer["idle"] >= idle_seconds * 1000:
@@ -103,50 +107,75 @@ class JobQueue:
         """Re-check the consumer groups on next use (after a reconnect)."""
         self._groups.clear()
 
+    def streams(self, models: Sequence[str]) -> list[str]:
+        """The job streams of every pair of these models (from the directory), sorted."""
+        pairs: set[bytes] = set()
+        for model in models:
+            pairs |= self.r.smembers(K.streams(model))
+        return sorted(K.PairKeys(*K.split_pair(p.decode())).jobs for p in pairs)
+
     def pending(self, models: Sequence[str]) -> int:
         """Jobs queued or running (their stream entries are deleted when they end)."""
+        streams = self.streams(models)
+        if not streams:
+            return 0
+        # Not a transaction: on a cluster the streams are in many slots (the pipeline
+        # sends each command to its node).
         with self.r.pipeline(transaction=False) as p:
-            for m in models:
-                p.xlen(K.stream(m))
+            for stream in streams:
+                p.xlen(stream)
             return sum(p.execute())
 
     def submit(self, request: JobRequest, models: Sequence[str],
                idempotency_key: Optional[str] = None) -> tuple[str, bool]:
         """Enqueue a job; returns ``(job_id, created)``.
 
-        The job hash, its payload and its stream entry are written in one MULTI, so an
-        acknowledged job is never half-enqueued. With an idempotency key, the same key
-        returns the first job and enqueues nothing.
+        The job hash, its payload, its idempotency record and its stream entry are
+        written in one MULTI on the pair's slot, so an acknowledged job is never
+        half-enqueued. With an idempotency key, the same key returns the first job and
+        enqueues nothing; the same key with another request is refused.
         """
         fingerprint = request_fingerprint(request)
+        pair = K.PairKeys(request.collection, request.model)
         if idempotency_key is not None:
-            replay = self._replay(idempotency_key, fingerprint)
+            self._claim_key(pair, idempotency_key, fingerprint)
+            replay = self._replay(pair, idempotency_key, fingerprint)
             if replay is not None:
                 return replay, False
         if self.pending(models) >= self.max_pending:
             raise Overloaded(f"{self.max_pending} jobs are pending; retry later",
                              max_pending=self.max_pending)
-        pair = K.PairKeys(request.collection, request.model)
         job_id = uuid.uuid4().hex
-        stream = K.stream(request.model)
+        stream = pair.jobs
         self.ensure_group(stream)
         payload = json.dumps(list(request.texts), ensure_ascii=False)
-        idem = K.idempotency(idempotency_key) if idempotency_key is not None else None
+        idem = pair.idem(idempotency_key) if idempotency_key is not None else None
+        # Directory entries first, each an idempotent command in its own slot: once the
+        # MULTI below has run, the job can be found (status by id, its stream by the
+        # workers, its pair in the listing). If the MULTI never runs they are orphans,
+        # which is harmless (see embgeom.keys).
+        with self.r.pipeline(transaction=False) as p:
+            p.set(K.jobref(job_id), pair.pair)
+            p.sadd(K.streams(request.model), pair.pair)
+            p.sadd(K.PAIRS, pair.pair)
+            p.execute()
         # The key, the job hash, its payload and its stream entry are written in one
         # MULTI, under WATCH of the key: of two racing requests with one key, exactly one
         # EXEC succeeds and the other finds its job on the retry. (Claiming the key with
         # SET NX before the MULTI let a racer see the key before its job existed, take
         # it for a dead key, and enqueue a second job.) WATCH of the generation keeps a
-        # DELETE from slipping between reading it and enqueuing.
+        # DELETE from slipping between reading it and enqueuing. Every key is in the
+        # pair's slot.
         with self.r.pipeline(transaction=True) as p:
             while True:
                 try:
                     p.watch(pair.gen, *([idem] if idem else []))
                     if idem is not None:
                         # A key left by a job of a deleted collection generation is free again.
-                        replay = self._replay(idempotency_key, fingerprint)
+                        replay = self._replay(pair, idempotency_key, fingerprint)
                         if replay is not None:
                             p.unwatch()
+                            self.r.delete(K.jobref(job_id))  # our orphan; best effort
                             return replay, False
                     gen = int(p.get(pair.gen) or b"0")
                     p.multi()
@@ -161,30 +190,50 @@ class JobQueue:
                         "fingerprint": fingerprint,
                     })
                     p.set(pair.payload(job_id), payload)
-                    p.set(K.jobref(job_id), pair.pair)
-                    p.sadd(K.PAIRS, pair.pair)
                     p.xadd(stream, {"job_id": job_id, "pair": pair.pair})
                     p.execute()
-                    return job_id, True
+                    break
                 except redis.WatchError:
                     continue
+        # Again after: a DELETE of the collection whose SREM ran between our first SADD
+        # and our MULTI (our job is in the new generation) must not leave it unlisted.
+        self.r.sadd(K.PAIRS, pair.pair)
+        return job_id, True
 
-    def _replay(self, idempotency_key: str, fingerprint: str) -> Optional[str]:
-        """The job an idempotency key already names, if it still counts.
+    def _claim_key(self, pair: K.PairKeys, idempotency_key: str, fingerprint: str) -> None:
+        """Record which pair an Idempotency-Key belongs to; refuse its reuse for another.
+
+        The job id is kept per pair (``eg:{c:m}:idem:<key>``, in the MULTI); this global
+        pointer only lets a reuse of the key with another collection or model be
+        refused, as long as the first pair's job still counts.
+        """
+        owner_key = K.idempotency(idempotency_key)
+        if self.r.set(owner_key, pair.pair, nx=True, ex=self.idempotency_ttl):
+            return
+        owner = self.r.get(owner_key)
+        if owner is None or owner.decode() == pair.pair:
+            self.r.set(owner_key, pair.pair, ex=self.idempotency_ttl)
+            return
+        other = K.PairKeys(*K.split_pair(owner.decode()))
+        # Raises idempotency_key_reused while the other pair's job counts (the
+        # fingerprints differ: they include the pair).
+        if self._replay(other, idempotency_key, fingerprint) is None:
+            self.r.set(owner_key, pair.pair, ex=self.idempotency_ttl)
+
+    def _replay(self, pair: K.PairKeys, idempotency_key: str, fingerprint: str) -> Optional[str]:
+        """The job an idempotency key already names in this pair, if it still counts.
 
         The same key with a different request is refused; a key whose job belonged to a
         since-deleted generation of its collection no longer counts (None).
         """
-        existing = self.r.get(K.idempotency(idempotency_key))
+        existing = self.r.get(pair.idem(idempotency_key))
         if existing is None:
             return None
         job_id = existing.decode()
-        ref = self.r.get(K.jobref(job_id))
-        if ref is None:
-            return None
-        pair = K.PairKeys(*K.split_pair(ref.decode()))
         job_gen, job_fingerprint = self.r.hmget(pair.job(job_id), ["gen", "fingerprint"])
-        if job_fingerprint is not None and job_fingerprint.decode() != fingerprint:
+        if job_fingerprint is None:
+            return None
+        if job_fingerprint.decode() != fingerprint:
             raise InvalidInput("this Idempotency-Key was used for a different request",
                                type="idempotency_key_reused", job_id=job_id)
         if int(job_gen or b"0") != int(self.r.get(pair.gen) or b"0"):
@@ -221,8 +270,17 @@ class JobQueue:
     # --------------------------------------------------------------- delivery
     def take(self, worker_id: str, models: Sequence[str], lease_seconds: float,
              block_ms: int = 1000) -> Optional[Delivery]:
-        """Next job for this worker: a silent worker's expired job first, then a new one."""
-        streams = [K.stream(m) for m in models]
+        """Next job for this worker: a silent worker's expired job first, then a new one.
+
+        The pairs' streams are polled one at a time (a read of several streams would be
+        cross-slot on a cluster), starting one further along at each call so that no
+        pair starves the others. With nothing anywhere, waits up to ``block_ms`` (at
+        most 250 ms) and returns None.
+        """
+        streams = self.streams(models)
+        if streams:
+            self._turn = (self._turn + 1) % len(streams)
+            streams = streams[self._turn:] + streams[:self._turn]
         for stream in streams:
             self.ensure_group(stream)
         for stream in streams:
@@ -239,23 +297,25 @@ class JobQueue:
                 if fields:  # an entry deleted meanwhile comes back empty
                     return self._deliver(worker_id, stream, entry_id, fields)
                 self.r.xack(stream, K.GROUP, entry_id)
-        got = self.r.xreadgroup(K.GROUP, worker_id, {s: ">" for s in streams}, count=1, block=block_ms)
-        for stream, entries in got or []:
-            for entry_id, fields in entries:
-                return self._deliver(worker_id, stream.decode(), entry_id, fields)
+        for stream in streams:
+            got = self.r.xreadgroup(K.GROUP, worker_id, {stream: ">"}, count=1)
+            for _, entries in got or []:
+                for entry_id, fields in entries:
+                    return self._deliver(worker_id, stream, entry_id, fields)
+        if block_ms > 0:
+            time.sleep(min(block_ms, 250) / 1000)
         return None
 
     def own_pending(self, worker_id: str, models: Sequence[str]) -> Optional[Delivery]:
         """A job this worker id was given before and has not finished (after a reconnect)."""
-        streams = [K.stream(m) for m in models]
-        for stream in streams:
+        for stream in self.streams(models):
             self.ensure_group(stream)
-        got = self.r.xreadgroup(K.GROUP, worker_id, {s: "0" for s in streams}, count=1)
-        for stream, entries in got or []:
-            for entry_id, fields in entries:
-                if fields:
-                    return self._deliver(worker_id, stream.decode(), entry_id, fields)
-                self.r.xack(stream, K.GROUP, entry_id)
+            got = self.r.xreadgroup(K.GROUP, worker_id, {stream: "0"}, count=1)
+            for _, entries in got or []:
+                for entry_id, fields in entries:
+                    if fields:
+                        return self._deliver(worker_id, stream, entry_id, fields)
+                    self.r.xack(stream, K.GROUP, entry_id)
         return None
 
     def _deliver(self, worker_id: str, stream: str, entry_id: bytes, fields: dict) -> Optional[Delivery]:
@@ -290,17 +350,14 @@ class JobQueue:
 
         Returns False, and claims nothing, once a newer delivery owns the job: XCLAIM with
         ``min_idle_time=0`` would otherwise pull the entry back from the worker that took
-        it over, and keep refreshing it for a delivery that can no longer commit. (The
-        check and the claim are two commands, the stream and the job hash being in
-        different slots: a take-over between them is undone by the new owner's next
-        heartbeat, and this one stops at its next.)
+        it over, and keep refreshing it for a delivery that can no longer commit. The
+        check and the claim are one WATCH/MULTI (the stream and the job hash share the
+        pair's slot).
         """
-        epoch = self.r.hget(delivery.pair.job(delivery.job_id), "epoch")
-        if epoch is None or int(epoch) != delivery.epoch:
-            return False
-        self.r.xclaim(delivery.stream, K.GROUP, worker_id, min_idle_time=0,
-                      message_ids=[delivery.entry_id], justid=True)
-        return True
+        def write(p):
+            p.xclaim(delivery.stream, K.GROUP, worker_id, min_idle_time=0,
+                     message_ids=[delivery.entry_id], justid=True)
+        return self._as_owner(delivery.pair.job(delivery.job_id), delivery.epoch, write)
 
     # Progress is written only by the delivery that owns the job, and only while it runs:
     # a stale delivery must not overwrite the owner's progress, and a heartbeat that lost

@@ -51,8 +51,13 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="EMBGEOM_", env_file=".env", extra="ignore")
 
     # Storage and queue
+    # ``redis://host:port/db`` (or ``rediss://``, ``unix://``) for one Redis;
+    # ``redis+cluster://host:port`` (or ``rediss+cluster://``) for a Redis Cluster, named by
+    # any one of its nodes (the client discovers the rest): every transaction of the
+    # service touches one (collection, model) hash slot, so both work unchanged.
     redis_url: Optional[str] = Field(
-        None, description="Redis to use; unset starts an embedded Redis in data_dir"
+        None, description="Redis to use (redis+cluster://host:port for a Redis Cluster); "
+                          "unset starts an embedded Redis in data_dir"
     )
     data_dir: Path = Field(Path("data"), description="Folder of the embedded Redis")
     cache_dir: Path = Field(

@@ -14,6 +14,11 @@ job's stream entry is acknowledged only after EXEC; a crash in between redeliver
 job, which then finds itself in ``committed`` and is acknowledged without counting.
 Readers run their reads in one MULTI, so a read never sees half a commit, and report
 ``version``/``updated_at`` as ``as_of``.
+
+Every transaction here touches the pair's keys only (one hash slot), so the same code
+runs on a standalone Redis and on Redis Cluster, where redis-py's cluster pipeline with
+``transaction=True`` sends WATCH, the reads under it and MULTI/EXEC over one connection to
+the node owning that slot.
 """
 
 from __future__ import annotations
@@ -304,11 +309,17 @@ class AccumulatorStore:
         """Remove a pair's accumulators and void its in-flight jobs (generation bump)."""
         meta = self.meta(pair)
         num_layers = meta["num_layers"] if meta else 0
-        with self.r.pipeline(transaction=True) as pipe:
+        with self.r.pipeline(transaction=True) as pipe:  # the pair's slot only
             pipe.incr(pair.gen)
-            pipe.delete(*pair.data_keys(max(num_layers, 1)))
-            pipe.srem(K.PAIRS, pair.pair)
+            for key in pair.data_keys(max(num_layers, 1)):
+                pipe.delete(key)  # one key per DEL: a cluster pipeline refuses several
             pipe.execute()
+        # The directory lives in another slot: a second command. If a job of the new
+        # generation committed meanwhile (its worker re-adds the pair after its EXEC),
+        # put the pair back so its data stay listed.
+        self.r.srem(K.PAIRS, pair.pair)
+        if self.r.exists(pair.meta):
+            self.r.sadd(K.PAIRS, pair.pair)
 
 
 def _decode_meta(raw: dict) -> dict:

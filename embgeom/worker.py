@@ -37,7 +37,19 @@ class HandBack(Exception):
     """Raised inside a job when the worker must stop before finishing it."""
 
 
+CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+
+
 def redis_client(url: str) -> redis.Redis:
+    """A client for ``url``: ``redis://`` / ``rediss://`` / ``unix://`` for one Redis,
+    ``redis+cluster://host:port`` (or ``rediss+cluster://``) for a Redis Cluster, given
+    any one of its nodes (the others are discovered with CLUSTER SLOTS)."""
+    scheme, sep, rest = url.partition("://")
+    if sep and scheme in CLUSTER_SCHEMES:
+        from redis.cluster import RedisCluster
+
+        return RedisCluster.from_url(f"{CLUSTER_SCHEMES[scheme]}://{rest}", socket_timeout=60,
+                                     socket_connect_timeout=5, health_check_interval=10)
     return redis.Redis.from_url(url, socket_timeout=60, socket_connect_timeout=5,
                                 health_check_interval=10)
 
@@ -166,6 +178,10 @@ class Worker:
                 log.error("commit of job %s refused by Redis: %s", delivery.job_id, exc)
                 self.queue.retry_later(delivery, f"commit refused by Redis: {exc}")
                 return "failed"
+            if outcome == "committed":
+                # After the EXEC, in the directory's own slot: undoes a concurrent
+                # DELETE's SREM that would otherwise hide these new data.
+                self.r.sadd(K.PAIRS, delivery.pair.pair)
             if outcome == "void":
                 self.queue.fail(delivery.pair, delivery.job_id, delivery.stream, delivery.entry_id,
                                 "the collection was deleted while the job was queued or running",
@@ -228,5 +244,9 @@ def live_workers(client: redis.Redis, ttl_seconds: float) -> list[dict]:
     ids = client.zrangebyscore(K.WORKERS, time.time() - ttl_seconds, "+inf")
     if not ids:
         return []
-    raws = client.mget([K.worker(i.decode()) for i in ids])
+    # One GET each, pipelined (an MGET of keys in several slots fails on a cluster).
+    with client.pipeline(transaction=False) as p:
+        for i in ids:
+            p.get(K.worker(i.decode()))
+        raws = p.execute()
     return [json.loads(raw) for raw in raws if raw]

@@ -430,8 +430,9 @@ def main(argv=None) -> int:
         committed = rdb.scard(K.PairKeys(COLLECTION, MODEL).committed)
         if committed != args.jobs:
             problems.append(f"{committed} jobs in the committed set, {args.jobs} expected")
-        stream_len = rdb.xlen(K.stream(MODEL))
-        pending = rdb.xpending(K.stream(MODEL), K.GROUP)["pending"]
+        stream = K.PairKeys(COLLECTION, MODEL).jobs
+        stream_len = rdb.xlen(stream)
+        pending = rdb.xpending(stream, K.GROUP)["pending"]
         if stream_len or pending:
             problems.append(f"stream not drained: {stream_len} entries, {pending} pending")
         want = expected_counts(texts)

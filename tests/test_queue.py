@@ -12,7 +12,8 @@ from embgeom.worker import redis_client
 def test_prune_consumers_removes_only_idle_empty_ones(redis_server):
     r = redis_client(redis_server.url)
     q = JobQueue(r)
-    stream = K.stream("minilm")
+    r.sadd(K.streams("minilm"), "c:minilm")  # what submit() records
+    stream = K.PairKeys("c", "minilm").jobs
     q.ensure_group(stream)
     first = r.xadd(stream, {"job_id": "a", "pair": "c:minilm"})
     r.xadd(stream, {"job_id": "b", "pair": "c:minilm"})

@@ -278,10 +278,21 @@ def live_worker_details(rdb: redis.Redis) -> list[dict]:
     return live_workers(rdb, 3 * 0.5 + 2)
 
 
+def model_streams(rdb: redis.Redis, model: str = MODEL) -> list[str]:
+    """The job streams of every pair of ``model`` (one per collection)."""
+    return JobQueue(rdb).streams([model])
+
+
 def stream_state(rdb: redis.Redis, model: str = MODEL) -> tuple[int, int]:
-    """(entries in the stream, entries pending in the group)."""
-    stream = K.stream(model)
-    return rdb.xlen(stream), rdb.xpending(stream, K.GROUP)["pending"]
+    """(entries in the model's streams, entries pending in their groups)."""
+    streams = model_streams(rdb, model)
+    return (sum(rdb.xlen(s) for s in streams),
+            sum(rdb.xpending(s, K.GROUP)["pending"] for s in streams if rdb.exists(s)))
+
+
+def pending_entries(rdb: redis.Redis, model: str = MODEL) -> list[dict]:
+    """XPENDING details of every entry of the model's streams."""
+    return [p for s in model_streams(rdb, model) for p in rdb.xpending_range(s, K.GROUP, "-", "+", 10)]
 
 
 @contextlib.contextmanager
@@ -465,7 +476,7 @@ def test_stale_worker_is_fenced(server, pool, tokenizer):
         assert stale.queue.refresh(d_stale, stale.id) is False
         assert stale.queue.progress(d_stale, 0.5, 123) is False
         assert client.get(f"/v1/jobs/{job_a}").json()["tokens"] == 0
-        owners = {p["consumer"].decode() for p in rdb.xpending_range(K.stream(MODEL), K.GROUP, "-", "+", 10)}
+        owners = {p["consumer"].decode() for p in pending_entries(rdb)}
         assert owners == {"owner"}, owners
         assert owner.process(d_owner) == "committed"
 
@@ -555,9 +566,7 @@ def test_idempotency_key_counts_once(server, tokenizer):
             [t.join() for t in threads]
             assert len(set(ids)) == 1, f"round {round_}: {len(set(ids))} jobs for one key"
         assert stream_state(rdb)[0] == 2 + 25
-        for entry_id, fields in rdb.xrange(K.stream(MODEL)):  # not this test's to run
-            if fields[b"pair"] == b"idem-race:" + MODEL.encode():
-                rdb.xdel(K.stream(MODEL), entry_id)
+        rdb.xtrim(K.PairKeys("idem-race", MODEL).jobs, maxlen=0, approximate=False)  # not this test's to run
 
         with WorkerThread(api_settings(server.url)):
             final = wait_for_jobs(client, [job_id, results[0]], timeout=600)
@@ -612,7 +621,7 @@ def test_sigterm_finishes_or_hands_back(server, tmp_path, tokenizer):
         victim = wait_running(client, [finished], below=0.3)["worker"]
         fl.sigterm(victim)
         time.sleep(1.5)
-        pending = rdb.xpending_range(K.stream(MODEL), K.GROUP, "-", "+", 10)
+        pending = pending_entries(rdb)
         if client.get(f"/v1/jobs/{finished}").json()["status"] == "running":
             # Still at it during its grace: still heartbeating, so its lease holds.
             assert len(pending) == 1 and pending[0]["consumer"].decode() == victim, pending
