@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
+import numpy as np
+
 from embgeom.models import LoadedModel
 from embgeom.positions import batches_by_token_budget, encode_windows
 from embgeom.reduce import reduce_batch
@@ -71,7 +73,7 @@ def text_embeddings(
     pooling: Optional[str] = None,
     include_special: bool = False,
     token_budget: int = 16384,
-) -> dict[int, "np.ndarray"]:
+) -> dict[int, np.ndarray]:
     """Raw hidden states for small synchronous requests (isotropy samples, probes).
 
     With ``pooling=None``: per layer, every counted embedding, shape (N, d), float32, in
@@ -81,8 +83,6 @@ def text_embeddings(
     positions over all its windows, ``last`` = the last position of its last window
     (the final [SEP] of an encoder, the last token of a decoder).
     """
-    import numpy as np
-
     if pooling is not None and pooling not in POOLINGS:
         raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}")
     info = loaded.info
