@@ -75,9 +75,8 @@ async def isotropy_sample(pair: PairDep, layer: LayerDep, body: SampleRequest, r
 async def outlier_probe(body: ProbeRequest, rt: RuntimeDep) -> dict:
     """The 1-D outlier-dimension probe (Rudman et al. 2023) on labelled texts."""
     _check_sync_size(rt, body.texts)
-    info = rt.registry.info(body.model) if body.model in rt.registry.names() else None
-    if info is None:
-        rt.registry.source(body.model)  # raises unknown_model
+    rt.registry.source(body.model)  # unknown alias -> 404 unknown_model
+    info = rt.registry.info(body.model)
     if body.layer > info.num_layers:
         raise NotFound("layer_not_found", f"layer {body.layer} is out of range 0..{info.num_layers}")
 
