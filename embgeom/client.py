@@ -51,7 +51,7 @@ TABLE_COLUMNS = {
 ISOTROPY_COLUMNS = {
     "layer": "layer", "n": "n", "IsoScore": "isoscore", "mean cos": "mean_cosine",
     "eff. rank": "effective_rank", "PR": "participation_ratio", "top eig": "top_eigenvalue_ratio",
-    "I(W)": "partition_isotropy", "outlier dims (ratio)": "outliers", "top rogue dims (CC share)": "rogue",
+    "log10 I(W)": "partition_isotropy_log10", "outlier dims (ratio)": "outliers", "top rogue dims (CC share)": "rogue",
 }
 
 
@@ -430,7 +430,7 @@ def isotropy_rows(client: "EmbgeomClient", collection: str, model: str, threshol
         rows.append({
             **{k: iso.get(k) for k in ("layer", "n", "isoscore", "mean_cosine", "effective_rank",
                                        "participation_ratio", "top_eigenvalue_ratio",
-                                       "partition_isotropy")},
+                                       "partition_isotropy_log10")},
             "outliers": _listed(f"{d['dim']}({d['ratio']:.1f})" for d in out["dimensions"]),
             "rogue": " ".join(f"{d['dim']}({d['share']:.2f})" for d in (out["rogue"] or [])) or "-",
         })

@@ -41,6 +41,7 @@ __all__ = [
     "parse_transform",
     "participation_ratio",
     "partition_isotropy",
+    "log_partition_isotropy",
     "rogue_contributions",
     "self_similarity",
     "top_eigenvalue_ratio",
@@ -569,11 +570,17 @@ def partition_isotropy(W) -> float:
     J. Mu, P. Viswanath. "All-but-the-Top: Simple and Effective Postprocessing for Word
     Representations". ICLR 2018.
     """
+    return float(np.exp(log_partition_isotropy(W)))
+
+
+def log_partition_isotropy(W) -> float:
+    """``log I(W) = min_c log Z(c) - max_c log Z(c)`` (natural log), see
+    :func:`partition_isotropy`; finite where ``I(W)`` itself underflows to 0."""
     w = _finite_array(W, "W", 2)
     _, vecs = np.linalg.eigh(w.T @ w)
     directions = np.hstack([vecs, -vecs])
     log_z = _partition_log_z(w, directions, _PARTITION_BLOCK_ROWS)
-    return float(np.exp(log_z.min() - log_z.max()))
+    return float(log_z.min() - log_z.max())
 
 
 # ----------------------------------------------------------------------------- transforms

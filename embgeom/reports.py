@@ -295,7 +295,9 @@ def isotropy(store: AccumulatorStore, pair: K.PairKeys, layer: int, transform: O
         keep = n_t >= min_count
         if keep.sum() >= 1:
             W = diagnostics.transform_points(mean_t[keep], g.mean, cov, t)
-            out["partition_isotropy"] = _none_if_nan(diagnostics.partition_isotropy(W))
+            log_iw = diagnostics.log_partition_isotropy(W)
+            out["partition_isotropy"] = _none_if_nan(np.exp(log_iw))
+            out["partition_isotropy_log10"] = _none_if_nan(log_iw / np.log(10))
             out["partition_types"] = int(keep.sum())
     return out
 

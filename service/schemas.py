@@ -175,6 +175,8 @@ class Isotropy(BaseModel):
     participation_ratio: Optional[float]
     top_eigenvalue_ratio: Optional[float]
     partition_isotropy: Optional[float] = Field(description="I(W) of Mu & Viswanath on per-token means")
+    partition_isotropy_log10: Optional[float] = Field(
+        None, description="log10 I(W); finite where I(W) underflows to 0")
     partition_types: Optional[int] = None
     eigenvalues: Optional[list[float]] = None
     unavailable: dict[str, str] = Field(default_factory=dict,

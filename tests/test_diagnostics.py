@@ -526,3 +526,16 @@ def test_standardize_keeps_tiny_but_varying_dimensions_given_the_mean():
     assert np.allclose(np.diag(r), [1.0, 1.0, 0.0, 1.0])
     expected = np.corrcoef(X[:, [0, 1, 3]].T)
     assert np.allclose(r[np.ix_([0, 1, 3], [0, 1, 3])], expected, atol=1e-12)
+
+
+def test_log_partition_isotropy_is_finite_where_the_ratio_underflows():
+    from embgeom.diagnostics import log_partition_isotropy, partition_isotropy
+
+    rng = np.random.default_rng(3)
+    W = rng.normal(size=(50, 6))
+    assert np.isclose(np.exp(log_partition_isotropy(W)), partition_isotropy(W), rtol=1e-12)
+    W_far = W + np.array([2000.0, 0, 0, 0, 0, 0])  # a huge common direction
+    assert partition_isotropy(W_far) == 0.0
+    log_iw = log_partition_isotropy(W_far)
+    # Z(+e1) ~ 50 exp(2000), Z(-e1) ~ 50 exp(-2000): log ratio ~ -4000
+    assert np.isfinite(log_iw) and -4100 < log_iw < -3900
