@@ -200,46 +200,59 @@ def _safe_extract(zf: zipfile.ZipFile, dest: Path) -> None:
         zf.extract(info, dest)
 
 
-def mpnet_path(cache_dir: Path) -> Path:
-    """Folder of all-mpnet-base-v2, unzipped once from the five split-zip packages into
-    ``cache_dir/all-mpnet-base-v2`` (the folder holding config.json)."""
+def _prepare_once(cache_dir: Path, dirname: str, build: Callable[[Path], Path]) -> Path:
+    """``cache_dir/dirname``, built once: under a lock, ``build(work)`` fills a fresh temporary
+    folder ``work`` and returns the folder (``work`` or one inside it) holding config.json,
+    which is then renamed into place, so a reader never sees a half-built model."""
     cache_dir = Path(cache_dir)
-    target = cache_dir / MPNET_DIRNAME
+    target = cache_dir / dirname
     if (target / "config.json").is_file():
         return target
-    parts = _mpnet_parts()  # raises FileNotFoundError naming what to install
     cache_dir.mkdir(parents=True, exist_ok=True)
-    with _locked(cache_dir / f".{MPNET_DIRNAME}.lock"):
+    with _locked(cache_dir / f".{dirname}.lock"):
         if (target / "config.json").is_file():
             return target
-        work = Path(tempfile.mkdtemp(prefix=f".{MPNET_DIRNAME}.tmp-", dir=cache_dir))
+        work = Path(tempfile.mkdtemp(prefix=f".{dirname}.tmp-", dir=cache_dir))
         try:
-            archive = work / "all-mpnet-base-v2.zip"
-            with open(archive, "wb") as out:
-                for part in parts:
-                    with open(part, "rb") as src:
-                        shutil.copyfileobj(src, out, length=16 << 20)
-            unpacked = work / "unpacked"
-            with zipfile.ZipFile(archive) as zf:
-                _safe_extract(zf, unpacked)
-            archive.unlink()
-            configs = sorted(unpacked.rglob("config.json"), key=lambda p: (len(p.parts), str(p)))
-            if not configs:
-                raise FileNotFoundError(f"the all-mpnet-base-v2 archive holds no config.json ({parts[0]})")
-            model_root = configs[0].parent
-            _write_provenance(
-                model_root,
-                {
-                    "model": "sentence-transformers/all-mpnet-base-v2",
-                    "packages": [f"{n}=={MPNET_VERSION}" for n in MPNET_PACKAGES],
-                    "parts": [str(p) for p in parts],
-                    "part_sizes": [p.stat().st_size for p in parts],
-                },
-            )
-            _publish(model_root, target)
+            _publish(build(work), target)
         finally:
             shutil.rmtree(work, ignore_errors=True)
     return target
+
+
+def mpnet_path(cache_dir: Path) -> Path:
+    """Folder of all-mpnet-base-v2, unzipped once from the five split-zip packages into
+    ``cache_dir/all-mpnet-base-v2`` (the folder holding config.json)."""
+    if (Path(cache_dir) / MPNET_DIRNAME / "config.json").is_file():
+        return Path(cache_dir) / MPNET_DIRNAME
+    parts = _mpnet_parts()  # raises FileNotFoundError naming what to install
+
+    def build(work: Path) -> Path:
+        archive = work / "all-mpnet-base-v2.zip"
+        with open(archive, "wb") as out:
+            for part in parts:
+                with open(part, "rb") as src:
+                    shutil.copyfileobj(src, out, length=16 << 20)
+        unpacked = work / "unpacked"
+        with zipfile.ZipFile(archive) as zf:
+            _safe_extract(zf, unpacked)
+        archive.unlink()
+        configs = sorted(unpacked.rglob("config.json"), key=lambda p: (len(p.parts), str(p)))
+        if not configs:
+            raise FileNotFoundError(f"the all-mpnet-base-v2 archive holds no config.json ({parts[0]})")
+        model_root = configs[0].parent
+        _write_provenance(
+            model_root,
+            {
+                "model": "sentence-transformers/all-mpnet-base-v2",
+                "packages": [f"{n}=={MPNET_VERSION}" for n in MPNET_PACKAGES],
+                "parts": [str(p) for p in parts],
+                "part_sizes": [p.stat().st_size for p in parts],
+            },
+        )
+        return model_root
+
+    return _prepare_once(cache_dir, MPNET_DIRNAME, build)
 
 
 # --------------------------------------------------------------------------- SmolLM2
@@ -272,15 +285,11 @@ def smollm2_path(cache_dir: Path) -> Path:
     CPU) and saves model and tokenizer into ``cache_dir/smollm2-135m-instruct``; later calls
     return that folder at once.
     """
-    cache_dir = Path(cache_dir)
-    target = cache_dir / SMOLLM2_DIRNAME
-    if (target / "config.json").is_file():
-        return target
+    if (Path(cache_dir) / SMOLLM2_DIRNAME / "config.json").is_file():
+        return Path(cache_dir) / SMOLLM2_DIRNAME
     gguf = _smollm2_gguf()  # raises FileNotFoundError naming what to install
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    with _locked(cache_dir / f".{SMOLLM2_DIRNAME}.lock"):
-        if (target / "config.json").is_file():
-            return target
+
+    def build(work: Path) -> Path:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -304,25 +313,21 @@ def smollm2_path(cache_dir: Path) -> Path:
         max_positions = getattr(model.config, "max_position_embeddings", None)
         if max_positions and getattr(tokenizer, "model_max_length", 0) > max_positions:
             tokenizer.model_max_length = int(max_positions)
-        work = Path(tempfile.mkdtemp(prefix=f".{SMOLLM2_DIRNAME}.tmp-", dir=cache_dir))
-        try:
-            model.save_pretrained(str(work))
-            tokenizer.save_pretrained(str(work))
-            _write_provenance(
-                work,
-                {
-                    "model": "HuggingFaceTB/SmolLM2-135M-Instruct",
-                    "packages": [f"{SMOLLM2_PACKAGE}=={SMOLLM2_VERSION}"],
-                    "gguf": str(gguf),
-                    "gguf_size": gguf.stat().st_size,
-                    "dtype": "float32 (dequantised from GGUF Q4_1)",
-                },
-            )
-            _publish(work, target)
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
-        del model
-    return target
+        model.save_pretrained(str(work))
+        tokenizer.save_pretrained(str(work))
+        _write_provenance(
+            work,
+            {
+                "model": "HuggingFaceTB/SmolLM2-135M-Instruct",
+                "packages": [f"{SMOLLM2_PACKAGE}=={SMOLLM2_VERSION}"],
+                "gguf": str(gguf),
+                "gguf_size": gguf.stat().st_size,
+                "dtype": "float32 (dequantised from GGUF Q4_1)",
+            },
+        )
+        return work
+
+    return _prepare_once(cache_dir, SMOLLM2_DIRNAME, build)
 
 
 # --------------------------------------------------------------------------- registry
