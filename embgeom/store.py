@@ -225,13 +225,21 @@ class AccumulatorStore:
         meta = _decode_meta(out[0]) if out[0] else None
         return meta, out[1:]
 
-    @staticmethod
-    def as_of(meta: dict) -> AsOf:
-        return AsOf(meta["version"], meta["updated_at"])
+    def _read_layers(self, pair: K.PairKeys, layers: Sequence[int], *commands) -> tuple[Optional[dict], dict[int, list]]:
+        """For every layer, queue each ``command(pipe, layer)``; all in one MULTI.
+
+        Returns meta and, per layer, the commands' replies in order."""
+        def queue(p):
+            for l in layers:
+                for command in commands:
+                    command(p, l)
+        meta, out = self._read(pair, queue)
+        width = len(commands)
+        return meta, {l: out[width * i: width * (i + 1)] for i, l in enumerate(layers)}
 
     def scalars(self, pair: K.PairKeys, layers: Sequence[int]) -> tuple[Optional[dict], dict[int, LayerScalars]]:
-        meta, out = self._read(pair, lambda p: [p.hgetall(pair.scal(l)) for l in layers])
-        return meta, {l: _decode_scalars(raw) for l, raw in zip(layers, out)}
+        meta, out = self._read_layers(pair, layers, lambda p, l: p.hgetall(pair.scal(l)))
+        return meta, {l: _decode_scalars(out[l][0]) for l in layers}
 
     def globals(self, pair: K.PairKeys, layers: Sequence[int], with_scalars: bool = False):
         """O(d) aggregates of each layer and its number of token types, and (optionally,
@@ -239,56 +247,42 @@ class AccumulatorStore:
 
         Returns ``(meta, {layer: LayerGlobal}, {layer: num_types}, {layer: LayerScalars})``.
         """
-        width = 3 if with_scalars else 2
-
-        def cmds(p):
-            for l in layers:
-                p.get(pair.glob(l))
-                p.hlen(pair.tok(l))
-                if with_scalars:
-                    p.hgetall(pair.scal(l))
-        meta, out = self._read(pair, cmds)
+        commands = [lambda p, l: p.get(pair.glob(l)), lambda p, l: p.hlen(pair.tok(l))]
+        if with_scalars:
+            commands.append(lambda p, l: p.hgetall(pair.scal(l)))
+        meta, out = self._read_layers(pair, layers, *commands)
         d = meta["hidden_size"] if meta else 0
-        globs = {l: self._decode_glob(out[width * i], d) for i, l in enumerate(layers)}
-        types = {l: int(out[width * i + 1]) for i, l in enumerate(layers)}
-        scalars = {l: _decode_scalars(out[width * i + 2]) for i, l in enumerate(layers)} if with_scalars else {}
+        globs = {l: self._decode_glob(out[l][0], d) for l in layers}
+        types = {l: int(out[l][1]) for l in layers}
+        scalars = {l: _decode_scalars(out[l][2]) for l in layers} if with_scalars else {}
         return meta, globs, types, scalars
 
     def covariance_state(self, pair: K.PairKeys, layers: Sequence[int], with_means: bool = False):
         """Per layer: (LayerGlobal, co-moment (d, d), unit_sum (d,), unit_sq_sum (d,)), and
         with ``with_means`` a fifth item from the same snapshot: (ids, n, m2, means (k, d))
         of every token type (a scan)."""
-        width = 3 if with_means else 2
-
-        def cmds(p):
-            for l in layers:
-                p.get(pair.glob(l))
-                p.get(pair.cov(l))
-                if with_means:
-                    p.hgetall(pair.tok(l))
-        meta, out = self._read(pair, cmds)
+        commands = [lambda p, l: p.get(pair.glob(l)), lambda p, l: p.get(pair.cov(l))]
+        if with_means:
+            commands.append(lambda p, l: p.hgetall(pair.tok(l)))
+        meta, out = self._read_layers(pair, layers, *commands)
         result = {}
         if meta is None:
             return None, result
         d = meta["hidden_size"]
-        for i, l in enumerate(layers):
-            g = self._decode_glob(out[width * i], d)
-            raw = out[width * i + 1]
+        for l in layers:
+            g = self._decode_glob(out[l][0], d)
+            raw = out[l][1]
             c = np.zeros(d * d + 2 * d) if raw is None else _unpack(raw)
             result[l] = (g, c[: d * d].reshape(d, d), c[d * d: d * d + d], c[d * d + d:])
             if with_means:
-                ids, recs = _decode_hash(out[width * i + 2], d + 2)
-                result[l] += ((ids, recs[:, 0], recs[:, 1], recs[:, 2:]),)
+                result[l] += (_decode_means(out[l][2], d),)
         return meta, result
 
     def token_means(self, pair: K.PairKeys, layers: Sequence[int]) -> tuple[Optional[dict], dict]:
         """Per layer: (ids, n, m2, mean (k, d)) of every token type (a scan)."""
-        meta, out = self._read(pair, lambda p: [p.hgetall(pair.tok(l)) for l in layers])
-        result = {}
-        for l, raw in zip(layers, out):
-            ids, recs = _decode_hash(raw, meta["hidden_size"] + 2 if meta else 2)
-            result[l] = (ids, recs[:, 0], recs[:, 1], recs[:, 2:])
-        return meta, result
+        meta, out = self._read_layers(pair, layers, lambda p, l: p.hgetall(pair.tok(l)))
+        d = meta["hidden_size"] if meta else 0
+        return meta, {l: _decode_means(out[l][0], d) for l in layers}
 
     def token_records(self, pair: K.PairKeys, layer: int, ids: Sequence[int]):
         """(n, m2, mean, unit_sum) of the given tokens at one layer; rows of None for unseen."""
@@ -340,6 +334,12 @@ def _decode_hash(raw: dict, width: int) -> tuple[np.ndarray, np.ndarray]:
     recs = np.frombuffer(b"".join(raw.values()), dtype=F64).reshape(len(raw), -1)
     order = np.argsort(ids, kind="stable")
     return ids[order], recs[order]
+
+
+def _decode_means(raw: dict, d: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """A layer's ``tok`` hash as (ids, n, m2, means (k, d)), sorted by id."""
+    ids, recs = _decode_hash(raw, d + 2)
+    return ids, recs[:, 0], recs[:, 1], recs[:, 2:]
 
 
 def _decode_scalars(raw: dict) -> LayerScalars:
