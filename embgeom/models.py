@@ -216,6 +216,10 @@ class ModelPool:
         self._models: OrderedDict[str, LoadedModel] = OrderedDict()
         self._lock = threading.Lock()
 
+    @classmethod
+    def from_settings(cls, registry: ModelRegistry, settings: Settings) -> "ModelPool":
+        return cls(registry, settings.device, settings.max_loaded_models, settings.max_model_memory_mb)
+
     def loaded(self) -> list[str]:
         return list(self._models)
 

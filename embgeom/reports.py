@@ -16,7 +16,7 @@ import numpy as np
 from embgeom import diagnostics
 from embgeom import keys as K
 from embgeom.errors import InvalidInput, NotFound
-from embgeom.stats import layer_summary
+from embgeom.stats import decomposition, layer_summary
 from embgeom.store import AccumulatorStore, AsOf, LayerGlobal, LayerScalars
 
 __all__ = [
@@ -79,25 +79,6 @@ def _from_global(layer: int, g: LayerGlobal, num_types: int) -> dict:
             "Q": M + V, "M": M, "V": V, "V_W": V_W, "V_B": V - V_W}
 
 
-def _filtered(layer: int, s: LayerScalars, means: np.ndarray, keep: np.ndarray) -> dict:
-    """Decomposition over the kept token types, from their scalars and means.
-
-    ``mu = sum n_t mu_t / n``; ``V_W = sum m2_t / n``; ``V_B = sum n_t ||mu_t - mu||^2 / n``.
-    """
-    n_t = s.n[keep]
-    if n_t.size == 0:
-        return _empty_decomposition(layer)
-    n = float(n_t.sum())
-    mean_t = means[keep]
-    mu = (n_t[:, None] * mean_t).sum(axis=0) / n
-    dev = mean_t - mu
-    V_B = float((n_t * np.einsum("ki,ki->k", dev, dev)).sum() / n)
-    V_W = float(s.m2[keep].sum() / n)
-    M = float(mu @ mu)
-    return {"layer": layer, "n": int(n), "num_types": int(n_t.size),
-            "Q": M + V_W + V_B, "M": M, "V": V_W + V_B, "V_W": V_W, "V_B": V_B}
-
-
 def layer_rows(store: AccumulatorStore, pair: K.PairKeys, layers: Sequence[int],
                count_filter: CountFilter, with_summary: bool = True) -> tuple[list[dict], dict]:
     """Decomposition (and the per-layer summary) of each layer.
@@ -117,16 +98,14 @@ def layer_rows(store: AccumulatorStore, pair: K.PairKeys, layers: Sequence[int],
         scalars = {}
         for l in layers:
             ids, n, m2, mean = means[l]
-            M = np.einsum("ki,ki->k", mean, mean) if len(ids) else np.zeros(0)
-            scalars[l] = LayerScalars(ids=ids, n=n, M=M, m2=m2)
-            rows[l] = _filtered(l, scalars[l], mean, count_filter.mask(n))
+            scalars[l] = LayerScalars(ids=ids, n=n, M=np.einsum("ki,ki->k", mean, mean), m2=m2)
+            keep = count_filter.mask(n)
+            rows[l] = {"layer": l, **decomposition(n[keep], mean[keep], m2[keep])}
     if with_summary:
         for l in layers:
             s = scalars[l]
             keep = count_filter.mask(s.n)
-            summary = layer_summary(s.n[keep], s.Q[keep], s.M[keep], s.V[keep]) if keep.any() \
-                else layer_summary(np.zeros(0), np.zeros(0), np.zeros(0), np.zeros(0))
-            rows[l].update(summary)
+            rows[l].update(layer_summary(s.n[keep], s.Q[keep], s.M[keep], s.V[keep]))
             q = rows[l]["Q"]
             for name in ("M", "V_W", "V_B"):
                 rows[l][f"{name}/Q"] = (rows[l][name] / q) if q else None

@@ -119,6 +119,11 @@ class Settings(BaseSettings):
             raise ValueError("token_budget must hold one window of max_window_tokens")
         return self
 
+    @property
+    def worker_silence_seconds(self) -> float:
+        """A worker whose last heartbeat is older than this counts as gone (/readyz)."""
+        return 3 * self.heartbeat_seconds + 2
+
     def model_sources(self) -> dict[str, ModelSource]:
         """Built-in aliases, overridden by ``models_file`` then by ``models``."""
         sources = dict(BUILTIN_MODELS)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import socket
 import threading
@@ -65,8 +66,7 @@ class Worker:
         self.r = client
         self.settings = settings
         self.registry = registry or ModelRegistry.from_settings(settings)
-        self.pool = pool or ModelPool(self.registry, settings.device, settings.max_loaded_models,
-                                      settings.max_model_memory_mb)
+        self.pool = pool or ModelPool.from_settings(self.registry, settings)
         self.id = worker_id or new_worker_id()
         self.queue = JobQueue(client, settings.max_attempts)
         self.store = AccumulatorStore(client)
@@ -210,7 +210,8 @@ class Worker:
     # -------------------------------------------------------------- heartbeat
     def _heartbeat_loop(self) -> None:
         period = self.settings.heartbeat_seconds
-        ttl = max(3 * period, 5)
+        # The details must outlive the window in which readers still count the worker.
+        details_ttl = math.ceil(self.settings.worker_silence_seconds) + 1
         while True:
             try:
                 with self._lock:
@@ -221,7 +222,7 @@ class Worker:
                            "jobs_done": self.jobs_done}
                 with self.r.pipeline(transaction=False) as p:
                     p.zadd(K.WORKERS, {self.id: now})
-                    p.set(K.worker(self.id), json.dumps(details), ex=int(ttl) + 1)
+                    p.set(K.worker(self.id), json.dumps(details), ex=details_ttl)
                     p.execute()
                 if current is not None:
                     if not self.queue.refresh(current, self.id):
@@ -239,9 +240,9 @@ class Worker:
                 return
 
 
-def live_workers(client: redis.Redis, ttl_seconds: float) -> list[dict]:
-    """Workers whose heartbeat is younger than ``ttl_seconds``."""
-    ids = client.zrangebyscore(K.WORKERS, time.time() - ttl_seconds, "+inf")
+def live_workers(client: redis.Redis, silence_seconds: float) -> list[dict]:
+    """Workers whose heartbeat is younger than ``silence_seconds``."""
+    ids = client.zrangebyscore(K.WORKERS, time.time() - silence_seconds, "+inf")
     if not ids:
         return []
     # One GET each, pipelined (an MGET of keys in several slots fails on a cluster).

@@ -7,7 +7,6 @@ import time
 from fastapi import APIRouter, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from embgeom.worker import live_workers
 
 router = APIRouter(tags=["health"])
 
@@ -45,5 +44,5 @@ def metrics_endpoint(request: Request) -> Response:
     rt = request.app.state.runtime
     m: Metrics = request.app.state.metrics
     m.pending.set(rt.queue.pending(rt.registry.names()))
-    m.workers.set(len(live_workers(rt.redis, 3 * rt.settings.heartbeat_seconds + 2)))
+    m.workers.set(len(rt.live_workers()))
     return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)

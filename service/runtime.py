@@ -17,7 +17,7 @@ from embgeom.queue import JobQueue
 from embgeom.redis_server import RedisServer
 from embgeom.settings import Settings
 from embgeom.store import AccumulatorStore
-from embgeom.worker import Worker, redis_client
+from embgeom.worker import Worker, live_workers, redis_client
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +38,10 @@ class Runtime:
     def embedded(self) -> bool:
         return self.server is not None
 
+    def live_workers(self) -> list[dict]:
+        """Heartbeat details of the workers heard from within the silence window."""
+        return live_workers(self.redis, self.settings.worker_silence_seconds)
+
     @property
     def sync_pool(self) -> ModelPool:
         """Models for synchronous requests (probe, isotropy sample), loaded on demand."""
@@ -45,9 +49,7 @@ class Runtime:
             if self.workers:  # embedded: share the worker's models
                 self._sync_pool = self.workers[0].pool
             else:
-                s = self.settings
-                self._sync_pool = ModelPool(self.registry, s.device, s.max_loaded_models,
-                                            s.max_model_memory_mb)
+                self._sync_pool = ModelPool.from_settings(self.registry, self.settings)
         return self._sync_pool
 
     @classmethod

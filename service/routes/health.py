@@ -4,7 +4,6 @@ import redis
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
-from embgeom.worker import live_workers
 from service.deps import RuntimeDep
 from service.schemas import Health, Readiness
 
@@ -22,7 +21,7 @@ def readyz(rt: RuntimeDep):
     """200 when Redis answers and at least one worker has a fresh heartbeat, else 503."""
     try:
         redis_ok = bool(rt.redis.ping())
-        workers = len(live_workers(rt.redis, 3 * rt.settings.heartbeat_seconds + 2))
+        workers = len(rt.live_workers())
     except redis.RedisError:
         redis_ok, workers = False, 0
     ready = redis_ok and workers > 0

@@ -3,7 +3,6 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from embgeom.errors import ModelLoadError
-from embgeom.worker import live_workers
 from service.deps import RuntimeDep
 from service.schemas import ModelOut
 
@@ -13,7 +12,7 @@ router = APIRouter(prefix="/v1", tags=["models"])
 @router.get("/models", response_model=list[ModelOut])
 def list_models(rt: RuntimeDep) -> list[dict]:
     """The configured aliases; ``loaded`` is true when a live worker holds the model."""
-    loaded = {m for w in live_workers(rt.redis, 3 * rt.settings.heartbeat_seconds + 2)
+    loaded = {m for w in rt.live_workers()
               for m in w.get("loaded", [])}
     out = []
     for name in rt.registry.names():
