@@ -10,7 +10,8 @@ from typing import Any
 
 __all__ = [
     "EmbgeomError", "InvalidInput", "UnknownModel", "ModelLoadError", "NotFound",
-    "Overloaded", "StoreUnavailable", "JobFenced",
+    "Overloaded", "StoreUnavailable", "JobFenced", "GenerationDeleted", "CheckTooOld",
+    "Conflict",
 ]
 
 
@@ -68,3 +69,23 @@ class JobFenced(EmbgeomError):
     """A worker lost its lease on a job: another worker now owns it."""
 
     type = "job_fenced"
+
+
+class GenerationDeleted(EmbgeomError):
+    """The collection was deleted while a checkpoint of it was being applied."""
+
+    type = "collection_deleted"
+
+
+class CheckTooOld(EmbgeomError):
+    """A checkpoint write came too long after its in-flight check (a paused worker)."""
+
+    type = "checkpoint_check_expired"
+
+
+class Conflict(EmbgeomError):
+    """The request conflicts with the current state; ``type`` says how."""
+
+    def __init__(self, type: str, message: str, **detail: Any):
+        super().__init__(message, **detail)
+        self.type = type

@@ -15,8 +15,8 @@ import numpy as np
 
 from embgeom import diagnostics
 from embgeom.errors import InvalidInput
-from embgeom.models import LoadedModel
-from embgeom.pipeline import POOLINGS, text_embeddings
+from embgeom.compute.models import LoadedModel
+from embgeom.compute.engine import POOLINGS, text_embeddings
 
 __all__ = ["sample_isotropy", "outlier_dimension_probe"]
 

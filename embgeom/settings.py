@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
+from typing import Literal, Optional
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -77,6 +77,28 @@ class Settings(BaseSettings):
     worker_models: Optional[list[str]] = Field(
         None, description="Pin workers to these aliases (comma-separated or JSON list)"
     )
+
+    dtype: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32", description="Dtype of the forward pass (the statistics are float64 regardless)")
+    reduce_precision: Literal["fp32", "fp64"] = Field(
+        "fp32", description="Arithmetic of the per-batch reduction on batch-centred data "
+                            "(merges across batches and checkpoints are float64)")
+
+    # Checkpoints: a worker merges many jobs of a pair into its window and checkpoints it
+    # when one of these budgets is reached, or at once when nothing more is queued.
+    checkpoint_seconds: float = Field(
+        2.0, gt=0, description="Longest a window stays open (how stale reads may be)")
+    checkpoint_tokens: int = Field(2_000_000, ge=1, description="Embeddings per layer in a window")
+    checkpoint_bytes: int = Field(
+        1 << 30, ge=1 << 20, description="Bytes of per-token state a window may hold")
+    checkpoint_horizon_seconds: float = Field(
+        3600.0, gt=0, description="How long an interrupted checkpoint may be resumed, and how "
+                                  "long its markers outlive it")
+    shards: int = Field(32, ge=1, le=4096, description="Token shards of a new (collection, model) pair")
+    chunk_bytes: int = Field(2 << 20, ge=1 << 16, description="Largest co-moment chunk value")
+    piece_bytes: int = Field(8 << 20, ge=1 << 16, description="Largest bytes one shard write carries")
+    max_segments: int = Field(8, ge=1, description="Layer segments before they are folded")
+    prefetch_jobs: int = Field(1, ge=1, description="Jobs prepared ahead of the device")
 
     # Batching and limits
     token_budget: int = Field(16384, ge=16, description="Padded tokens per forward batch")

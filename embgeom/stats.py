@@ -16,7 +16,9 @@ Raw sums (``sum ||x||^2 - ||sum x||^2 / n``) cancel catastrophically when M >> V
 is common (position-0 states, massive activations in decoders); the merge above does not,
 and it gives the same result whatever the order, split or batch size of the parts.
 
-Everything here is pure numpy on float64: no torch, no I/O.
+Everything here is pure array arithmetic on float64: no I/O, no Redis, no torch import.
+:func:`chan_merge` uses operators only, so the worker's device accumulator (torch
+tensors) and the store's merge of stored records (numpy arrays) run this one formula.
 
 References
 ----------
@@ -28,7 +30,8 @@ Variance", 2024.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Optional
 
 import numpy as np
 
@@ -37,12 +40,24 @@ __all__ = [
     "chan_merge_comoment",
     "TokenMoments",
     "LayerMoments",
-    "TokenAccumulator",
+    "WindowMoments",
+    "BUCKET_EDGES",
+    "bucket_index",
+    "aligned_buckets",
+    "bucket_sums",
     "moments_of_points",
     "q_m_v",
     "decomposition",
+    "decomposition_from_sums",
     "layer_summary",
 ]
+
+
+def _float(x):
+    """float64 view of a count or array; torch tensors pass through (callers give float64)."""
+    if type(x).__module__.startswith("torch"):
+        return x
+    return np.asarray(x, dtype=np.float64)
 
 
 def chan_merge(n_a, mean_a, m2_a, n_b, mean_b, m2_b):
@@ -50,14 +65,16 @@ def chan_merge(n_a, mean_a, m2_a, n_b, mean_b, m2_b):
 
     Parameters
     ----------
-    n_a, n_b : array-like of shape (...,), counts (an empty part has n = 0).
-    mean_a, mean_b : ndarray of shape (..., d), float64 means.
-    m2_a, m2_b : ndarray of shape (...,), float64 ``sum ||x - mean||^2``.
+    n_a, n_b : arrays of shape (...,), counts (an empty part has n = 0).
+    mean_a, mean_b : arrays of shape (..., d), float64 means.
+    m2_a, m2_b : arrays of shape (...,), float64 ``sum ||x - mean||^2``.
+
+    Works on numpy arrays and, unchanged, on float64 torch tensors (operators only).
 
     Returns
     -------
     n, mean, m2 : the merged state, same shapes, float64.
-    cross : ndarray of shape (...,), ``||mb - ma||^2 na nb / n``; the increase of the
+    cross : array of shape (...,), ``||mb - ma||^2 na nb / n``; the increase of the
         within-part sum of squares beyond ``m2_a + m2_b`` (callers keep running totals
         of sum m2 with it).
 
@@ -66,70 +83,77 @@ def chan_merge(n_a, mean_a, m2_a, n_b, mean_b, m2_b):
     ``n = na + nb; delta = mb - ma; mean = ma + delta nb / n;
     m2 = m2a + m2b + ||delta||^2 na nb / n``. A side with n = 0 contributes nothing.
     """
-    n_a = np.asarray(n_a, dtype=np.float64)
-    n_b = np.asarray(n_b, dtype=np.float64)
+    n_a, n_b = _float(n_a), _float(n_b)
     n = n_a + n_b
-    safe_n = np.where(n > 0, n, 1.0)
+    safe_n = n + (n == 0)  # an empty merge divides by 1, not 0
     delta = mean_b - mean_a
-    w_b = (n_b / safe_n)[..., None]
-    mean = mean_a + delta * w_b
-    cross = np.einsum("...i,...i->...", delta, delta) * (n_a * n_b / safe_n)
+    mean = mean_a + delta * (n_b / safe_n)[..., None]
+    cross = (delta * delta).sum(-1) * (n_a * n_b / safe_n)
     m2 = m2_a + m2_b + cross
     return n, mean, m2, cross
 
 
 def chan_merge_comoment(n_a, mean_a, c_a, n_b, mean_b, c_b):
-    """Merge two co-moment matrices ``C = sum (x - mean)(x - mean)^T``.
+    """Merge two co-moment matrices ``C = sum (x - mean)(x - mean)^T``, batched over layers.
 
     Parameters
     ----------
-    n_a, n_b : float, counts.
-    mean_a, mean_b : ndarray of shape (d,), float64.
-    c_a, c_b : ndarray of shape (d, d), float64.
+    n_a, n_b : float, counts (the same for every layer).
+    mean_a, mean_b : arrays of shape (..., d), float64.
+    c_a, c_b : arrays of shape (..., d, d), float64 (or any column block of them, with
+        ``mean`` the full mean and ``cols`` selecting nothing: see the store's chunks).
 
     Returns
     -------
-    ndarray of shape (d, d): ``C = Ca + Cb + (na nb / n) delta delta^T``, delta = mb - ma.
-    The covariance (population) is ``C / n``; ``trace(C)`` is the m2 of :func:`chan_merge`.
+    array of shape (..., d, d): ``C = Ca + Cb + (na nb / n) delta delta^T``,
+    ``delta = mb - ma``. The covariance (population) is ``C / n``; ``trace(C)`` is the
+    m2 of :func:`chan_merge`.
     """
     n = n_a + n_b
     if n == 0:
         return c_a + c_b
     delta = mean_b - mean_a
-    return c_a + c_b + np.outer(delta, delta) * (n_a * n_b / n)
+    return c_a + c_b + delta[..., :, None] * delta[..., None, :] * (n_a * n_b / n)
 
 
 @dataclass
 class TokenMoments:
-    """Per-token moments at every layer, for a set of token keys.
+    """Per-token moments at every kept layer, for a set of distinct token keys.
+
+    Token-major, the layout of the stored records: one row per token, all layers.
 
     Attributes
     ----------
     ids : ndarray of shape (k,), int64, the token keys (unique).
     n : ndarray of shape (k,), int64, occurrences of each token (the same at every layer).
-    mean : ndarray of shape (L, k, d), float64, per-layer mean embedding of each token.
-    m2 : ndarray of shape (L, k), float64, per-layer ``sum ||x - mean||^2``.
-    unit_sum : ndarray of shape (L, k, d), float64, per-layer ``sum x / ||x||`` (for
-        self-similarity, Ethayarajh 2019).
+    mean : ndarray of shape (k, L, d), float64, per-layer mean embedding of each token.
+    m2 : ndarray of shape (k, L), float64, per-layer ``sum ||x - mean||^2``.
+    unit_sum : ndarray of shape (k, L, d), float64, per-layer ``sum x / ||x||`` (for
+        self-similarity, Ethayarajh 2019), or None when the collection keeps none.
     """
 
     ids: np.ndarray
     n: np.ndarray
     mean: np.ndarray
     m2: np.ndarray
-    unit_sum: np.ndarray
+    unit_sum: Optional[np.ndarray] = None
 
     @property
     def num_layers(self) -> int:
-        return self.mean.shape[0]
+        return self.mean.shape[1]
 
     def __len__(self) -> int:
         return int(self.ids.shape[0])
 
+    def take(self, rows) -> "TokenMoments":
+        """The subset ``rows`` (an index array or mask), in that order."""
+        return TokenMoments(self.ids[rows], self.n[rows], self.mean[rows], self.m2[rows],
+                            None if self.unit_sum is None else self.unit_sum[rows])
+
 
 @dataclass
 class LayerMoments:
-    """Moments of all embeddings of each layer, whatever their token.
+    """Moments of all embeddings of each kept layer, whatever their token.
 
     Attributes
     ----------
@@ -139,8 +163,6 @@ class LayerMoments:
         its trace is ``m2`` and ``comoment / n`` the population covariance.
     unit_sum : ndarray of shape (L, d), float64, ``U = sum x / ||x||``.
     unit_sq_sum : ndarray of shape (L, d), float64, ``sum (x_i / ||x||)^2`` per dimension.
-    within : ndarray of shape (L,), float64, ``sum_t m2_t`` over token types, so that
-        ``V_W = within / n`` is O(d) to read.
     """
 
     n: int
@@ -148,7 +170,6 @@ class LayerMoments:
     comoment: np.ndarray
     unit_sum: np.ndarray
     unit_sq_sum: np.ndarray
-    within: np.ndarray
 
     @classmethod
     def empty(cls, num_layers: int, dim: int) -> "LayerMoments":
@@ -158,7 +179,6 @@ class LayerMoments:
             comoment=np.zeros((num_layers, dim, dim)),
             unit_sum=np.zeros((num_layers, dim)),
             unit_sq_sum=np.zeros((num_layers, dim)),
-            within=np.zeros(num_layers),
         )
 
     @property
@@ -172,93 +192,89 @@ class LayerMoments:
         if n == 0:
             return self
         delta = other.mean - self.mean
-        factor = self.n * other.n / n
         return LayerMoments(
             n=n,
             mean=self.mean + delta * (other.n / n),
-            comoment=self.comoment
-            + other.comoment
-            + factor * np.einsum("li,lj->lij", delta, delta),
+            comoment=chan_merge_comoment(self.n, self.mean, self.comoment,
+                                         other.n, other.mean, other.comoment),
             unit_sum=self.unit_sum + other.unit_sum,
             unit_sq_sum=self.unit_sq_sum + other.unit_sq_sum,
-            within=self.within + other.within,
         )
 
 
-class TokenAccumulator:
-    """Worker-local per-token state that grows with the distinct tokens it has seen.
+@dataclass
+class WindowMoments:
+    """What one checkpoint adds: the merged moments of a window of whole jobs.
 
-    Rows are appended on first sight of a token and merged in place afterwards, so
-    memory is O(distinct tokens x L x d), never O(vocabulary). ``within_increase`` keeps
-    ``sum_t m2_t`` per layer exact under merges (see :func:`chan_merge`).
+    Attributes
+    ----------
+    tokens : the per-token moments of every token the window saw, ids sorted.
+    layers : the per-layer moments of all its embeddings.
+    job_tokens : job id -> embeddings it counted (per layer), for its status.
     """
 
-    def __init__(self, num_layers: int, dim: int, capacity: int = 1024):
-        self.num_layers = num_layers
-        self.dim = dim
-        self._rows: dict[int, int] = {}
-        self._ids = np.zeros(capacity, dtype=np.int64)
-        self._n = np.zeros(capacity, dtype=np.int64)
-        self._mean = np.zeros((num_layers, capacity, dim))
-        self._m2 = np.zeros((num_layers, capacity))
-        self._unit_sum = np.zeros((num_layers, capacity, dim))
+    tokens: TokenMoments
+    layers: LayerMoments
+    job_tokens: dict = field(default_factory=dict)
 
-    def __len__(self) -> int:
-        return len(self._rows)
+    @property
+    def counted(self) -> int:
+        return int(self.layers.n)
 
-    def _grow(self, needed: int) -> None:
-        capacity = self._ids.shape[0]
-        if needed <= capacity:
-            return
-        new_capacity = max(needed, 2 * capacity)
 
-        def grow(a, axis):
-            pad = [(0, 0)] * a.ndim
-            pad[axis] = (0, new_capacity - capacity)
-            return np.pad(a, pad)
+# ----------------------------------------------------------------------- count buckets
 
-        self._ids = grow(self._ids, 0)
-        self._n = grow(self._n, 0)
-        self._mean = grow(self._mean, 1)
-        self._m2 = grow(self._m2, 1)
-        self._unit_sum = grow(self._unit_sum, 1)
+# Lower edges of the token-count buckets. A token type with n_t occurrences is in bucket
+# ``b`` when ``BUCKET_EDGES[b] <= n_t < BUCKET_EDGES[b + 1]``. A count filter
+# ``min_count <= n_t <= max_count`` is a union of whole buckets when ``min_count`` is an
+# edge and ``max_count`` is None or ``max_count + 1`` is an edge: the usual thresholds
+# (2, 3, 5, 10, 20, 50, 100, ... and the paper's 10 <= n_t <= 100000) are.
+BUCKET_EDGES = np.array([1, 2, 3, 5, 10, 20, 50, 100, 101, 200, 500, 1000, 1001, 2000,
+                         5000, 10000, 10001, 100000, 100001], dtype=np.int64)
 
-    def add(self, batch: TokenMoments) -> np.ndarray:
-        """Merge a batch's per-token moments in place.
 
-        Returns the increase of ``sum_t m2_t`` per layer, shape (L,).
-        """
-        if np.unique(batch.ids).shape[0] != len(batch):
-            raise ValueError("a batch's token ids must be unique")
-        rows = np.empty(len(batch), dtype=np.int64)
-        for i, token in enumerate(batch.ids.tolist()):
-            row = self._rows.get(token)
-            if row is None:
-                row = len(self._rows)
-                self._rows[token] = row
-            rows[i] = row
-        self._grow(len(self._rows))
-        self._ids[rows] = batch.ids
-        n, mean, m2, cross = chan_merge(
-            self._n[rows], self._mean[:, rows], self._m2[:, rows],
-            batch.n, batch.mean, batch.m2,
-        )
-        self._n[rows] = n.astype(np.int64)
-        self._mean[:, rows] = mean
-        self._m2[:, rows] = m2
-        self._unit_sum[:, rows] += batch.unit_sum
-        return (batch.m2 + cross).sum(axis=1)
+def bucket_index(n) -> np.ndarray:
+    """Bucket of each count: ndarray of shape (k,) int64 in ``[0, len(BUCKET_EDGES))``."""
+    return np.searchsorted(BUCKET_EDGES, np.asarray(n, dtype=np.int64), side="right") - 1
 
-    def snapshot(self) -> TokenMoments:
-        """The accumulated state as :class:`TokenMoments`, rows in order of first sight."""
-        k = len(self._rows)
-        return TokenMoments(
-            ids=self._ids[:k].copy(),
-            n=self._n[:k].copy(),
-            mean=self._mean[:, :k].copy(),
-            m2=self._m2[:, :k].copy(),
-            unit_sum=self._unit_sum[:, :k].copy(),
-        )
+
+def aligned_buckets(min_count: int, max_count: Optional[int]) -> Optional[np.ndarray]:
+    """The buckets whose union is exactly ``min_count <= n_t <= max_count``, or None
+    when the filter does not fall on bucket edges."""
+    edges = BUCKET_EDGES.tolist()
+    if min_count not in edges:
+        return None
+    lo = edges.index(min_count)
+    if max_count is None:
+        return np.arange(lo, len(edges))
+    if max_count + 1 not in edges:
+        return None
+    return np.arange(lo, edges.index(max_count + 1))
+
+
+def bucket_sums(buckets: np.ndarray, n: np.ndarray, mean: np.ndarray, num_buckets: int):
+    """Per-bucket aggregates of token types, for the filtered decomposition.
+
+    Parameters
+    ----------
+    buckets : ndarray of shape (k,), int64, the bucket of each type.
+    n : ndarray of shape (k,), counts.
+    mean : ndarray of shape (k, L, d), float64, per-type means.
+
+    Returns
+    -------
+    types : ndarray (B,) float64, number of types per bucket; ``count`` (B,) float64,
+    ``sum n_t``; ``vector`` (B, L, d) float64, ``sum n_t mean_t`` (the sum of the
+    embeddings of the bucket's types).
+    """
+    n = np.asarray(n, dtype=np.float64)
+    types = np.bincount(buckets, minlength=num_buckets).astype(np.float64)
+    count = np.bincount(buckets, weights=n, minlength=num_buckets)
+    vector = np.zeros((num_buckets,) + mean.shape[1:])
+    for b in np.flatnonzero(types):  # a loop over the (few) buckets, not the tokens
+        rows = buckets == b
+        vector[b] = np.einsum("k,k...->...", n[rows], mean[rows])
+    return types, count, vector
 
 
 def moments_of_points(x: np.ndarray) -> tuple[int, np.ndarray, float]:
@@ -329,6 +345,36 @@ def decomposition(n_t, mean_t, m2_t) -> dict:
         "n": int(n), "num_types": k,
         "Q": m + v_w + v_b, "M": m, "V": v_w + v_b, "V_W": v_w, "V_B": v_b,
     }
+
+
+def decomposition_from_sums(n: float, vector_sum: np.ndarray, sum_m2: float, sum_nM: float,
+                            num_types: int) -> dict:
+    """The decomposition over a set of token types from its sums (no per-type means).
+
+    Parameters
+    ----------
+    n : ``sum n_t`` over the types; ``vector_sum`` : ndarray (d,), ``sum n_t mu_t``;
+    ``sum_m2`` : ``sum m2_t``; ``sum_nM`` : ``sum n_t ||mu_t||^2``; ``num_types`` : k.
+
+    Returns
+    -------
+    dict as :func:`decomposition`.
+
+    Notes
+    -----
+    ``mu = vector_sum / n; M = ||mu||^2; V_W = sum_m2 / n;
+    V_B = sum_nM / n - M`` (the between-type variance as a difference of two means of
+    squares: its absolute error is about eps * (M + V_B), negligible next to Q, though not
+    relative to V_B when the types' means all coincide); ``Q = M + V_W + V_B``.
+    """
+    if n == 0:
+        return {"n": 0, "num_types": 0, "Q": None, "M": None, "V": None, "V_W": None, "V_B": None}
+    mu = np.asarray(vector_sum, dtype=np.float64) / n
+    m = float(mu @ mu)
+    v_w = float(sum_m2) / n
+    v_b = max(float(sum_nM) / n - m, 0.0)
+    return {"n": int(n), "num_types": int(num_types),
+            "Q": m + v_w + v_b, "M": m, "V": v_w + v_b, "V_W": v_w, "V_B": v_b}
 
 
 def _least_squares(x: np.ndarray, y: np.ndarray) -> tuple[float | None, float | None]:

@@ -1,10 +1,21 @@
-"""The worker loop: take a job -> forward -> reduce -> merge locally -> commit + ack.
+"""The worker: take jobs -> forward -> reduce -> merge into the window -> checkpoint + ack.
 
-Any number of workers, in any number of processes or machines, share one Redis. Each
-loads the models its jobs ask for on demand. A heartbeat thread keeps the worker
-visible (``/readyz``), keeps its current job's stream entry from being taken over and
-publishes progress. SIGTERM finishes the current job (or hands it back after a grace
-period) and stops.
+Any number of workers, in any number of processes or machines, share one Redis (or one
+Redis Cluster). Each loads the models its jobs ask for on demand and keeps, per
+(collection, model) pair it is working on, a *window*: the float64 moments of every job
+since its last checkpoint, on the model's device (:mod:`embgeom.compute.window`). The
+window is checkpointed in one exactly-once step (:mod:`embgeom.store.checkpoints`) when
+its budget is reached (tokens, bytes or seconds), when nothing more is queued for its
+pair (so a lone job is never held back), when a job of another pair comes, or when the
+worker stops.
+
+Threads: the main thread runs the device (forward, reduction, merges) and checkpoints; a
+*feeder* thread takes the next job and prepares it (tokenise, batch, pin) meanwhile; a
+heartbeat thread keeps the worker visible (``/readyz``), keeps the leases of every job it
+holds, publishes progress and renews the lease of a checkpoint being applied.
+
+SIGTERM finishes the current job and checkpoints the window (or, past the grace period,
+hands every job not yet sealed back to the queue) and stops.
 """
 
 from __future__ import annotations
@@ -13,75 +24,129 @@ import json
 import logging
 import math
 import os
+import queue as queue_mod
 import socket
 import threading
 import time
 import uuid
-from typing import Optional
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Callable, Optional
 
 import redis
 
-from embgeom import keys as K
-from embgeom.errors import JobFenced
-from embgeom.models import ModelPool, ModelRegistry
-from embgeom.pipeline import accumulate_texts
-from embgeom.queue import Delivery, JobQueue
+from embgeom.compute.engine import CountingRule, Engine
+from embgeom.compute.models import ModelPool, ModelRegistry
+from embgeom.compute.window import WindowAccumulator
+from embgeom.errors import EmbgeomError, JobFenced, StoreUnavailable
 from embgeom.settings import Settings
-from embgeom.store import AccumulatorStore
+from embgeom.stats import WindowMoments
+from embgeom.store import keys as K
+from embgeom.store.checkpoints import Checkpointer, Held, new_checkpoint_id
+from embgeom.store.collections import Collections
+from embgeom.store.conf import PairConf
+from embgeom.store.connection import redis_client
+from embgeom.store.jobs import Delivery, JobQueue
+from embgeom.store.shards import piece_tokens_for
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Worker", "redis_client", "new_worker_id"]
+__all__ = ["Worker", "redis_client", "new_worker_id", "live_workers"]
 
 
 class HandBack(Exception):
     """Raised inside a job when the worker must stop before finishing it."""
 
 
-CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
-
-
-def redis_client(url: str) -> redis.Redis:
-    """A client for ``url``: ``redis://`` / ``rediss://`` / ``unix://`` for one Redis,
-    ``redis+cluster://host:port`` (or ``rediss+cluster://``) for a Redis Cluster, given
-    any one of its nodes (the others are discovered with CLUSTER SLOTS)."""
-    scheme, sep, rest = url.partition("://")
-    if sep and scheme in CLUSTER_SCHEMES:
-        from redis.cluster import RedisCluster
-
-        return RedisCluster.from_url(f"{CLUSTER_SCHEMES[scheme]}://{rest}", socket_timeout=60,
-                                     socket_connect_timeout=5, health_check_interval=10)
-    return redis.Redis.from_url(url, socket_timeout=60, socket_connect_timeout=5,
-                                health_check_interval=10)
-
-
 def new_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+@dataclass
+class Prepared:
+    """A delivered job, tokenised and batched by the feeder (or the error doing so)."""
+
+    delivery: Delivery
+    conf: Optional[PairConf] = None
+    engine: Optional[object] = None
+    job: Optional[object] = None
+    error: Optional[BaseException] = None
+
+
+@dataclass
+class Window:
+    pair: K.PairKeys
+    stream: str
+    conf: PairConf
+    engine: object
+    acc: WindowAccumulator
+    held: list = field(default_factory=list)          # Held
+    deliveries: list = field(default_factory=list)    # Delivery, same order
+    started: float = field(default_factory=time.monotonic)
+
+
+class StageClock:
+    """Seconds spent per stage (published in the heartbeat, read by the benchmarks)."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.counts: dict[str, int] = defaultdict(int)
+
+    def add(self, stage: str, seconds: float, count: int = 1) -> None:
+        self.seconds[stage] += seconds
+        self.counts[stage] += count
+
+    def timed(self, stage: str):
+        clock = self
+
+        class _T:
+            def __enter__(self):
+                self.t = time.perf_counter()
+
+            def __exit__(self, *exc):
+                clock.add(stage, time.perf_counter() - self.t)
+
+        return _T()
 
 
 class Worker:
     def __init__(self, client: redis.Redis, settings: Settings,
                  registry: Optional[ModelRegistry] = None, pool: Optional[ModelPool] = None,
-                 worker_id: Optional[str] = None):
+                 worker_id: Optional[str] = None,
+                 engine_factory: Optional[Callable[[PairConf, str], object]] = None):
         self.r = client
         self.settings = settings
         self.registry = registry or ModelRegistry.from_settings(settings)
         self.pool = pool or ModelPool.from_settings(self.registry, settings)
         self.id = worker_id or new_worker_id()
         self.queue = JobQueue(client, settings.max_attempts)
-        self.store = AccumulatorStore(client)
+        self.collections = Collections(client)
+        self.checkpointer = Checkpointer(
+            client, self.id, piece_bytes=settings.piece_bytes,
+            lock_ms=int(settings.lease_seconds * 1000),
+            horizon_ms=int(settings.checkpoint_horizon_seconds * 1000),
+            lease_ms=int(settings.lease_seconds * 1000), max_segments=settings.max_segments)
         self.models = list(settings.worker_models or self.registry.names())
+        self._engine_factory = engine_factory or self._default_engine
+        self._engines: dict[tuple[str, int], object] = {}
+        self.clock = StageClock()
+        self.window: Optional[Window] = None
         self.stop_event = threading.Event()
         # The heartbeat stops only when the loop has ended, not at the stop request: a
-        # worker finishing its job during its SIGTERM grace must keep its lease (else the
-        # job is taken over and its own commit fenced) and stay visible in /readyz.
+        # worker finishing its job during its SIGTERM grace must keep its leases.
         self._beat_stop = threading.Event()
-        self._lost: Optional[Delivery] = None  # the current delivery, once taken over
         self._stop_deadline: Optional[float] = None
+        self._lock = threading.Lock()
+        self._held: dict[str, Delivery] = {}          # every delivery this worker holds
+        self._lost: set[str] = set()                  # held jobs another delivery took over
         self._current: Optional[Delivery] = None
         self._progress: Optional[tuple[float, int]] = None
-        self._lock = threading.Lock()
+        self._sealed: Optional[tuple[K.PairKeys, str]] = None
+        self._ready: queue_mod.Queue = queue_mod.Queue(maxsize=max(1, settings.prefetch_jobs))
+        self._affinity: Optional[str] = None          # the stream whose window is open
+        self._feeder_idle = threading.Event()
         self.jobs_done = 0
+        self.checkpoints = 0
 
     # ---------------------------------------------------------------- control
     def request_stop(self, grace_seconds: float = 30.0) -> None:
@@ -92,34 +157,36 @@ class Worker:
     def run(self) -> None:
         log.info("worker %s serving %s", self.id, ", ".join(self.models))
         beat = threading.Thread(target=self._heartbeat_loop, name=f"heartbeat-{self.id}", daemon=True)
+        feeder = threading.Thread(target=self._feeder_loop, name=f"feeder-{self.id}", daemon=True)
         beat.start()
         try:
             self.queue.prune_consumers(self.models)
         except redis.RedisError as exc:
             log.debug("could not prune idle consumers: %s", exc)
+        self._recover_own()
+        feeder.start()
         try:
             while not self.stop_event.is_set():
                 try:
-                    # Our own unacknowledged entries first: one read of several streams
-                    # can hand us more than one job, and after a reconnect the job we
-                    # were running is still ours.
-                    delivery = self.queue.own_pending(self.id, self.models)
-                    if delivery is None:
-                        delivery = self.queue.take(self.id, self.models, self.settings.lease_seconds,
-                                                   block_ms=500)
-                    if delivery is not None:
-                        self.process(delivery)
-                except (redis.ConnectionError, redis.TimeoutError) as exc:
+                    self.step()
+                except (redis.ConnectionError, redis.TimeoutError, StoreUnavailable) as exc:
                     log.warning("worker %s lost Redis (%s); retrying", self.id, exc)
+                    self._drop_window(hand_back=False)  # the jobs stay pending under our id
                     self.queue.forget_groups()  # a restarted Redis may have lost them
                     self.stop_event.wait(0.5)
-                except Exception:
-                    # Never let one bad moment end the worker: the job, if any, stays
-                    # pending and is delivered again (here or elsewhere).
+                    self._recover_own()
+                except Exception as exc:
+                    # Never let one bad moment end the worker: the window's jobs go back to
+                    # the queue, this time as a failed attempt (a job that always breaks
+                    # the worker ends dead-lettered, not in an endless loop).
                     log.exception("worker %s: unexpected error; continuing", self.id)
+                    self._drop_window(hand_back=True, error=exc)
                     self.stop_event.wait(1.0)
+            self._finish()
         finally:
             self.stop_event.set()
+            feeder.join(timeout=30)
+            self._hand_back_ready()
             self._beat_stop.set()
             beat.join(timeout=5)
             try:
@@ -128,112 +195,364 @@ class Worker:
             except redis.RedisError:
                 pass
 
-    # ------------------------------------------------------------------- jobs
-    def process(self, delivery: Delivery) -> str:
-        """Run one delivered job to its end; returns what happened to it."""
-        with self._lock:
-            self._current, self._progress = delivery, None
+    def step(self) -> None:
+        """One turn of the main loop: run the next prepared job, or checkpoint when
+        nothing more is coming for the open window."""
         try:
+            item = self._ready.get(timeout=0.02)
+        except queue_mod.Empty:
+            item = None
+        if item is None:
+            if self.window is not None and (self._feeder_idle.is_set() or self._window_due()):
+                self.checkpoint()
+            return
+        self.process(item)
+        if self.window is not None and self._window_due():
+            self.checkpoint()
+
+    def _finish(self) -> None:
+        """After a stop request: checkpoint what is done (a sealed window is applied even
+        past the grace period: it can no longer be handed back)."""
+        if self.window is not None:
+            if self._stop_deadline is not None and time.monotonic() > self._stop_deadline:
+                self._drop_window(hand_back=True)
+            else:
+                self.checkpoint()
+
+    # ------------------------------------------------------------------ feeder
+    def _feeder_loop(self) -> None:
+        while not self.stop_event.is_set():
             try:
-                loaded = self.pool.get(delivery.pair.model)
-                moments = accumulate_texts(
-                    loaded, delivery.texts, delivery.include_special,
-                    self.settings.token_budget, on_progress=self._on_progress,
-                )
-            except HandBack:
-                self._hand_back(delivery)
-                return "handed_back"
-            except JobFenced:
-                log.warning("job %s was taken over mid-way; dropping this delivery", delivery.job_id)
-                return "fenced"
-            except (redis.ConnectionError, redis.TimeoutError):
-                raise
-            except Exception as exc:  # a failed attempt: retry or dead-letter
-                log.exception("job %s failed", delivery.job_id)
-                error = f"{type(exc).__name__}: {exc}"
-                if delivery.attempts >= self.settings.max_attempts:
-                    self.queue.fail(delivery.pair, delivery.job_id, delivery.stream,
-                                    delivery.entry_id,
-                                    f"failed after {delivery.attempts} attempts: {error}",
-                                    epoch=delivery.epoch)
+                only = self._affinity
+                delivery = self.queue.take(self.id, self.models, self.settings.lease_seconds,
+                                           block_ms=0 if only else 250, only=only)
+                if delivery is None:
+                    self._feeder_idle.set()
+                    if only:
+                        self.stop_event.wait(0.02)
+                    continue
+                self._feeder_idle.clear()
+                with self._lock:
+                    self._held[delivery.job_id] = delivery
+                item = self._prepare(delivery)
+                while not self.stop_event.is_set():
+                    try:
+                        self._ready.put(item, timeout=0.1)
+                        break
+                    except queue_mod.Full:
+                        continue
                 else:
-                    self.queue.retry_later(delivery, error)
-                return "failed"
-            with self._lock:
-                self._progress = None  # no more job-hash writes: they would abort the commit
-            info = loaded.info
-            done = {"status": "done", "progress": 1.0, "tokens": moments.counted,
-                    "finished_at": repr(time.time()), "error": ""}
-            try:
-                outcome = self.store.commit_job(
-                    delivery.pair, delivery.job_id, delivery.epoch, moments,
-                    info.num_layers + 1, info.hidden_size, done,
-                )
-            except JobFenced:
-                log.warning("job %s was taken over; dropping this delivery", delivery.job_id)
-                return "fenced"
-            except redis.ResponseError as exc:
-                # Redis refused the write (e.g. "OOM command not allowed" under noeviction):
-                # nothing was applied; record why and let the job be tried again.
-                log.error("commit of job %s refused by Redis: %s", delivery.job_id, exc)
-                self.queue.retry_later(delivery, f"commit refused by Redis: {exc}")
-                return "failed"
-            if outcome == "committed":
-                # After the EXEC, in the directory's own slot: undoes a concurrent
-                # DELETE's SREM that would otherwise hide these new data.
-                self.r.sadd(K.PAIRS, delivery.pair.pair)
-            if outcome == "void":
-                self.queue.fail(delivery.pair, delivery.job_id, delivery.stream, delivery.entry_id,
-                                "the collection was deleted while the job was queued or running",
-                                epoch=delivery.epoch)
-                return "void"
-            self.queue.ack(delivery.stream, delivery.entry_id)
-            self.jobs_done += outcome == "committed"
-            return outcome
+                    self._hand_back(delivery)
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                log.debug("feeder lost Redis: %s", exc)
+                self.queue.forget_groups()
+                self.stop_event.wait(0.5)
+            except Exception:
+                log.exception("feeder of %s: unexpected error", self.id)
+                self.stop_event.wait(1.0)
+
+    def _prepare(self, delivery: Delivery) -> Prepared:
+        """Host work for a job: its pair's configuration, tokenisation, batches."""
+        item = Prepared(delivery)
+        if delivery.checkpoint is not None:
+            return item  # adopted as a whole checkpoint by the main thread
+        try:
+            with self.clock.timed("prepare"):
+                item.conf = self.pair_conf(delivery.pair, delivery.gen)
+                item.engine = self.engine(item.conf, delivery.pair.model)
+                item.job = item.engine.prepare(delivery.texts)
+        except (redis.ConnectionError, redis.TimeoutError):
+            raise
+        except Exception as exc:  # a job that cannot be prepared fails as an attempt
+            item.error = exc
+        return item
+
+    def _recover_own(self) -> None:
+        """Entries this worker id holds from before (a restart with the same id, or a
+        reconnect): delivered again, with new epochs."""
+        try:
+            while not self.stop_event.is_set():
+                delivery = self.queue.own_pending(self.id, self.models)
+                if delivery is None:
+                    return
+                with self._lock:
+                    self._held[delivery.job_id] = delivery
+                self.process(self._prepare(delivery))
+                if self.window is not None:
+                    self.checkpoint()
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            log.debug("could not recover own entries yet: %s", exc)
+
+    # -------------------------------------------------------------- pair state
+    def pair_conf(self, pair: K.PairKeys, gen: int) -> PairConf:
+        conf = self.collections.conf(pair, gen)
+        if conf is not None:
+            return conf
+        settings = self.collections.ensure(pair.collection)
+        info = self.registry.info(pair.model)
+        tokenizer = self.registry.tokenizer(pair.model)
+        return self.collections.ensure_conf(pair, PairConf.resolve(
+            settings, gen, info.num_layers + 1, info.hidden_size, len(tokenizer),
+            self.settings.shards, self.settings.chunk_bytes, info.architecture, time.time()))
+
+    def _default_engine(self, conf: PairConf, model: str):
+        rule = CountingRule(conf.layers, conf.key, conf.include_special, conf.self_similarity)
+        return Engine(self.pool.get(model), rule, self.settings.token_budget,
+                      self.settings.reduce_precision)
+
+    def engine(self, conf: PairConf, model: str):
+        key = (f"{model}:{conf.to_json()}", conf.gen)
+        if key not in self._engines:
+            self._engines[key] = self._engine_factory(conf, model)
+        return self._engines[key]
+
+    def _accumulator(self, conf: PairConf, engine) -> WindowAccumulator:
+        device = getattr(getattr(engine, "loaded", None), "device", "cpu")
+        return WindowAccumulator(conf.L, conf.d, conf.self_similarity, device)
+
+    # ------------------------------------------------------------------- jobs
+    def process(self, item: Prepared) -> str:
+        """Run one prepared job into the window (or adopt its checkpoint)."""
+        d = item.delivery
+        if d.checkpoint is not None:
+            return self.adopt(d)
+        if item.error is not None:
+            self._fail_attempt(d, item.error)
+            return "failed"
+        w = self.window
+        if w is not None and (w.pair.pair != d.pair.pair or w.conf.gen != item.conf.gen
+                              or w.conf != item.conf):
+            self.checkpoint()
+            w = None
+        if w is None:
+            w = self.window = Window(d.pair, d.stream, item.conf, item.engine,
+                                     self._accumulator(item.conf, item.engine))
+            self._affinity = d.stream
+        with self._lock:
+            self._current, self._progress = d, None
+        try:
+            batches = item.job.batches
+            for i, batch in enumerate(batches):
+                with self.clock.timed("forward_reduce"):
+                    tokens, layers = item.engine.run(batch)
+                with self.clock.timed("merge"):
+                    w.acc.add(tokens, layers)
+                self._on_progress((i + 1) / max(len(batches), 1), None)
+        except HandBack:
+            self._drop_window(hand_back=True)
+            return "handed_back"
+        except JobFenced:
+            log.warning("job %s was taken over mid-way; dropping the window", d.job_id)
+            self._drop_window(hand_back=True)
+            return "fenced"
+        except (redis.ConnectionError, redis.TimeoutError):
+            raise
+        except Exception as exc:  # the window holds part of this job: drop it all
+            log.exception("job %s failed", d.job_id)
+            self._drop_window(hand_back=True, failed=d)
+            self._fail_attempt(d, exc)
+            return "failed"
         finally:
             with self._lock:
-                self._current, self._progress, self._lost = None, None, None
+                self._current, self._progress = None, None
+        w.held.append(Held(d.job_id, d.entry_id, d.epoch, item.job.counted))
+        w.deliveries.append(d)
+        return "merged"
 
-    def _on_progress(self, fraction: float, tokens: int) -> None:
+    def _window_due(self) -> bool:
+        w, s = self.window, self.settings
+        if w is None:
+            return False
+        return (w.acc.tokens >= s.checkpoint_tokens or w.acc.nbytes >= s.checkpoint_bytes
+                or time.monotonic() - w.started >= s.checkpoint_seconds)
+
+    def _on_progress(self, fraction: float, tokens: Optional[int]) -> None:
         with self._lock:
-            self._progress = (fraction, tokens)
-            lost = self._current is not None and self._lost is self._current
-        if lost:  # another worker owns the job now: its commit would be fenced anyway
+            self._progress = (fraction, tokens or 0)
+            lost = self._current is not None and self._current.job_id in self._lost
+        if lost:  # another worker owns the job now: the seal would be refused anyway
             raise JobFenced("the job was taken over by a newer delivery")
         if self._stop_deadline is not None and time.monotonic() > self._stop_deadline:
             raise HandBack()
 
-    def _hand_back(self, delivery: Delivery) -> None:
-        """Give the job back to the queue without counting the attempt."""
-        self.queue.retry_later(delivery, "", attempt_counts=False)
+    def _fail_attempt(self, d: Delivery, exc: BaseException) -> None:
+        error = exc.message if isinstance(exc, EmbgeomError) else f"{type(exc).__name__}: {exc}"
+        if d.attempts >= self.settings.max_attempts:
+            self.queue.fail(d.pair, d.job_id, d.stream, d.entry_id,
+                            f"failed after {d.attempts} attempts: {error}", epoch=d.epoch)
+        else:
+            self.queue.retry_later(d, error)
+        self._release(d)
+
+    def _hand_back(self, d: Delivery) -> None:
+        """Give a job back to the queue without counting the attempt."""
+        try:
+            self.queue.retry_later(d, "", attempt_counts=False)
+        except redis.RedisError as exc:
+            log.debug("could not hand back %s: %s", d.job_id, exc)
+        self._release(d)
+
+    def _release(self, d: Delivery) -> None:
+        with self._lock:
+            self._held.pop(d.job_id, None)
+            self._lost.discard(d.job_id)
+
+    def _drop_window(self, hand_back: bool, failed: Optional[Delivery] = None,
+                     error: Optional[BaseException] = None) -> None:
+        """Forget the open window; its jobs go back to the queue (unless Redis is gone:
+        then they stay pending under this worker and come back by ``_recover_own``).
+        With ``error``, each counts a failed attempt."""
+        w, self.window, self._affinity = self.window, None, None
+        if w is None:
+            return
+        for d in w.deliveries:
+            if hand_back and d.job_id not in self._lost:
+                if error is not None:
+                    self._fail_attempt(d, error)
+                else:
+                    self._hand_back(d)
+            else:
+                self._release(d)
+        if hand_back and self._current is not None and self._current is not failed:
+            self._hand_back(self._current)
+
+    def _hand_back_ready(self) -> None:
+        while True:
+            try:
+                item = self._ready.get_nowait()
+            except queue_mod.Empty:
+                return
+            self._hand_back(item.delivery)
+
+    # ------------------------------------------------------------- checkpoint
+    def checkpoint(self) -> str:
+        """Seal the window's jobs into one checkpoint, apply it, complete it, ack them."""
+        w, self.window, self._affinity = self.window, None, None
+        if w is None or not w.held:
+            return "empty"
+        with self.clock.timed("export"):
+            tokens, layers = w.acc.export()
+        moments = WindowMoments(tokens, layers, {h.job_id: h.tokens for h in w.held})
+        cp = new_checkpoint_id()
+        piece_tokens = piece_tokens_for(w.conf, self.settings.piece_bytes)
+        with self.clock.timed("seal"):
+            sealed = self.checkpointer.seal(w.pair, w.conf.gen, cp, w.held, w.stream, piece_tokens)
+        if sealed.status == "void":
+            for d in w.deliveries:
+                self.queue.fail(d.pair, d.job_id, d.stream, d.entry_id,
+                                "the collection was deleted while the job was running", epoch=d.epoch)
+                self._release(d)
+            return "void"
+        if sealed.status == "lost":
+            log.warning("job %s was taken over before its checkpoint; the window's other jobs "
+                        "go back to the queue", sealed.lost)
+            for d in w.deliveries:
+                if d.job_id == sealed.lost or d.job_id in self._lost:
+                    self._release(d)
+                else:
+                    self._hand_back(d)
+            return "lost"
+        return self._apply_sealed(w.pair, w.conf, cp, moments, w.held, w.stream, piece_tokens,
+                                  w.deliveries)
+
+    def _apply_sealed(self, pair, conf, cp, moments, held, stream, piece_tokens, deliveries) -> str:
+        """Drive a sealed checkpoint to completion (it can no longer be handed back)."""
+        with self._lock:
+            self._sealed = (pair, cp)
+        try:
+            delay = 0.2
+            while True:
+                try:
+                    out = self.checkpointer.apply_and_complete(pair, conf, cp, moments, held, piece_tokens)
+                    break
+                except (redis.ConnectionError, redis.TimeoutError, StoreUnavailable) as exc:
+                    log.warning("checkpoint %s interrupted (%s); resuming", cp, exc)
+                    time.sleep(delay)
+                    delay = min(5.0, delay * 2)
+            for stage, seconds in out.seconds.items():
+                self.clock.add(stage, seconds)
+            for stage, seconds in out.shards.seconds.items():
+                self.clock.add(f"shards.{stage}", seconds)
+            self.clock.add("shards.busy", 0, out.shards.busy)
+            self.clock.add("shards.lost", 0, out.shards.lost)
+            self.clock.add("bytes_written", 0, out.shards.bytes_written + out.layer_bytes)
+            with self.clock.timed("ack"):
+                self.queue.ack_many(stream, [h.entry_id for h in held])
+            if out.status == "completed":
+                self.checkpoints += 1
+                self.jobs_done += len(held)
+                # After the completion, in the directory's own slot: undoes a concurrent
+                # DELETE's SREM that would otherwise hide these new data.
+                self.r.sadd(K.PAIRS, pair.pair)
+            if self.checkpoints % 16 == 1:
+                self.checkpointer.prune(pair, conf)
+            return out.status
+        finally:
+            with self._lock:
+                self._sealed = None
+            for d in deliveries:
+                self._release(d)
+
+    def adopt(self, d: Delivery) -> str:
+        """A delivered job already sealed into a checkpoint: take the checkpoint over,
+        recompute its jobs, apply what is missing, complete it."""
+        record = self.checkpointer.adopt(d.pair, d.checkpoint)
+        if record is None:
+            # Completed by now (acknowledge), or its owner is alive (it will acknowledge).
+            status = self.queue.status(d.job_id)["status"]
+            if status in ("done", "failed"):
+                self.queue.ack(d.stream, d.entry_id)
+            self._release(d)
+            return "duplicate"
+        log.info("adopting checkpoint %s of %s (%d jobs)", d.checkpoint, d.pair.pair, len(record["jobs"]))
+        self.queue.claim(record["stream"], self.id, record["entries"])
+        conf = self.pair_conf(d.pair, record["gen"])
+        engine = self.engine(conf, d.pair.model)
+        acc = self._accumulator(conf, engine)
+        payloads = [self.r.get(d.pair.payload(j)) for j in record["jobs"]]
+        held = []
+        for job_id, entry, epoch, payload in zip(record["jobs"], record["entries"],
+                                                 record["epochs"], payloads):
+            job = engine.prepare(json.loads(payload))
+            for batch in job.batches:
+                acc.add(*engine.run(batch))
+            held.append(Held(job_id, entry, epoch, job.counted))
+        tokens, layers = acc.export()
+        moments = WindowMoments(tokens, layers, {h.job_id: h.tokens for h in held})
+        return self._apply_sealed(d.pair, conf, d.checkpoint, moments, held, record["stream"],
+                                  record["piece_tokens"], [d])
 
     # -------------------------------------------------------------- heartbeat
+    def heartbeat_details(self) -> dict:
+        with self._lock:
+            current = self._current
+        return {"id": self.id, "models": self.models, "loaded": self.pool.loaded(),
+                "job": current.job_id if current else None, "heartbeat": time.time(),
+                "jobs_done": self.jobs_done, "checkpoints": self.checkpoints,
+                "held": len(self._held),
+                "stage_seconds": {k: round(v, 6) for k, v in self.clock.seconds.items()}}
+
     def _heartbeat_loop(self) -> None:
         period = self.settings.heartbeat_seconds
         # The details must outlive the window in which readers still count the worker.
         details_ttl = math.ceil(self.settings.worker_silence_seconds) + 1
         while True:
             try:
-                with self._lock:
-                    current, progress = self._current, self._progress
-                now = time.time()
-                details = {"id": self.id, "models": self.models, "loaded": self.pool.loaded(),
-                           "job": current.job_id if current else None, "heartbeat": now,
-                           "jobs_done": self.jobs_done}
                 with self.r.pipeline(transaction=False) as p:
-                    p.zadd(K.WORKERS, {self.id: now})
-                    p.set(K.worker(self.id), json.dumps(details), ex=details_ttl)
+                    p.zadd(K.WORKERS, {self.id: time.time()})
+                    p.set(K.worker(self.id), json.dumps(self.heartbeat_details()), ex=details_ttl)
                     p.execute()
-                if current is not None:
-                    if not self.queue.refresh(current, self.id):
+                with self._lock:
+                    held = list(self._held.values())
+                    current, progress, sealed = self._current, self._progress, self._sealed
+                for d, ok in zip(held, self.queue.refresh_many(held, self.id)):
+                    if not ok:
                         with self._lock:
-                            if self._current is current:
-                                self._lost = current
-                    elif progress is not None:
-                        with self._lock:  # re-check: the commit must not race this write
-                            still = self._current is current and self._progress is not None
-                        if still:
-                            self.queue.progress(current, *progress)
+                            self._lost.add(d.job_id)
+                if current is not None and progress is not None and current.job_id not in self._lost:
+                    self.queue.progress(current, *progress)
+                if sealed is not None:
+                    self.checkpointer.renew(*sealed)
             except redis.RedisError as exc:
                 log.debug("heartbeat failed: %s", exc)
             if self._beat_stop.wait(period):

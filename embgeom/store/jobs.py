@@ -7,9 +7,11 @@ wait in the pair's payload key and the status in the pair's job hash (see
 touch one slot only, and work unchanged on Redis Cluster. Workers find the streams of
 the models they serve in ``eg:streams:<model>`` and poll them one at a time, round-robin
 (no cross-slot XREADGROUP). A delivery bumps the job's ``epoch``: only the newest
-delivery may commit it (fencing a worker that wakes up late). Entries are acknowledged
-and deleted once the job is committed or dead-lettered, so the streams' total length is
-the number of pending jobs.
+delivery may seal it into a checkpoint (fencing a worker that wakes up late). A job
+already sealed into a checkpoint comes back as a delivery naming that checkpoint, which
+the worker adopts as a whole (:mod:`embgeom.store.checkpoints`). Entries are acknowledged
+and deleted once the job's checkpoint completes or the job is dead-lettered, so the
+streams' total length is the number of pending jobs.
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ from typing import Optional, Sequence
 
 import redis
 
-from embgeom import keys as K
 from embgeom.errors import InvalidInput, NotFound, Overloaded
+from embgeom.store import keys as K
+from embgeom.store.scripts import PROGRESS, REFRESH
 
 __all__ = ["JobRequest", "Delivery", "JobQueue"]
 
@@ -36,7 +39,6 @@ class JobRequest:
     collection: str
     model: str
     texts: Sequence[str]
-    include_special: bool = False
 
 
 @dataclass(frozen=True)
@@ -44,13 +46,14 @@ class Delivery:
     """A job handed to a worker: ``epoch`` fences its commit."""
 
     job_id: str
-    entry_id: bytes
+    entry_id: str
     stream: str
     pair: K.PairKeys
     epoch: int
     attempts: int
-    include_special: bool
-    texts: list
+    texts: Optional[list]
+    gen: int = 0
+    checkpoint: Optional[str] = None  # set when the job is already sealed into one
 
 
 def _now() -> float:
@@ -60,7 +63,7 @@ def _now() -> float:
 def request_fingerprint(request: JobRequest) -> str:
     """What an idempotency key must keep naming: the same pair, texts and options."""
     h = hashlib.sha256()
-    h.update(json.dumps([request.collection, request.model, bool(request.include_special)]).encode())
+    h.update(json.dumps([request.collection, request.model]).encode())
     for text in request.texts:
         h.update(hashlib.sha256(text.encode()).digest())
     return h.hexdigest()
@@ -185,7 +188,7 @@ class JobQueue:
                         "job_id": job_id, "collection": request.collection, "model": request.model,
                         "status": "queued", "texts": len(request.texts), "tokens": 0, "progress": 0.0,
                         "bytes": len(payload.encode()), "error": "", "attempts": 0, "epoch": 0,
-                        "worker": "", "gen": gen, "include_special": int(request.include_special),
+                        "worker": "", "gen": gen, "checkpoint": "",
                         "created_at": repr(_now()), "idempotency_key": idempotency_key or "",
                         "fingerprint": fingerprint,
                     })
@@ -261,7 +264,6 @@ class JobQueue:
             "error": job.get("error") or None,
             "attempts": int(job.get("attempts", 0)),
             "worker": job.get("worker") or None,
-            "include_special": bool(int(job.get("include_special", 0))),
             "created_at": float(job["created_at"]),
             "started_at": float(job["started_at"]) if job.get("started_at") else None,
             "finished_at": float(job["finished_at"]) if job.get("finished_at") else None,
@@ -269,16 +271,17 @@ class JobQueue:
 
     # --------------------------------------------------------------- delivery
     def take(self, worker_id: str, models: Sequence[str], lease_seconds: float,
-             block_ms: int = 1000) -> Optional[Delivery]:
+             block_ms: int = 1000, only: Optional[str] = None) -> Optional[Delivery]:
         """Next job for this worker: a silent worker's expired job first, then a new one.
 
         The pairs' streams are polled one at a time (a read of several streams would be
         cross-slot on a cluster), starting one further along at each call so that no
-        pair starves the others. With nothing anywhere, waits up to ``block_ms`` (at
-        most 250 ms) and returns None.
+        pair starves the others; ``only`` polls that one stream (a worker filling the
+        window of one pair). With nothing anywhere, waits up to ``block_ms`` (at most
+        250 ms) and returns None.
         """
-        streams = self.streams(models)
-        if streams:
+        streams = [only] if only is not None else self.streams(models)
+        if streams and only is None:
             self._turn = (self._turn + 1) % len(streams)
             streams = streams[self._turn:] + streams[:self._turn]
         for stream in streams:
@@ -325,60 +328,72 @@ class JobQueue:
         with self.r.pipeline(transaction=True) as p:
             p.hincrby(job_key, "epoch", 1)
             p.hincrby(job_key, "attempts", 1)
-            p.hget(job_key, "status")
-            p.hget(job_key, "include_special")
+            p.hmget(job_key, "status", "error", "gen", "checkpoint")
             p.get(pair.payload(job_id))
-            p.sismember(pair.committed, job_id)
-            p.hget(job_key, "error")
-            epoch, attempts, status, include_special, payload, committed, error = p.execute()
-        if committed or (status or b"").decode() in TERMINAL or payload is None:
+            p.get(pair.gen)
+            epoch, attempts, (status, error, job_gen, checkpoint), payload, gen = p.execute()
+        status = (status or b"").decode()
+        if status in TERMINAL or payload is None:
             # Finished before (its ack was lost in a crash): acknowledge, count nothing.
             self.ack(stream, entry_id)
             return None
-        if attempts > self.max_attempts:
+        if int(job_gen or 0) != int(gen or 0):
+            # Its collection was deleted after it was queued: void, without running it.
+            self.fail(pair, job_id, stream, entry_id,
+                      "the collection was deleted while the job was queued")
+            return None
+        checkpoint = (checkpoint or b"").decode() or None
+        if checkpoint is None and attempts > self.max_attempts:
             last = (error or b"").decode() or "the worker stopped while running it"
             self.fail(pair, job_id, stream, entry_id,
                       f"gave up after {attempts - 1} attempts; last error: {last}")
             return None
         self.r.hset(job_key, mapping={"status": "running", "worker": worker_id,
                                       "started_at": repr(_now())})
-        return Delivery(job_id, entry_id, stream, pair, int(epoch), int(attempts),
-                        bool(int(include_special or 0)), json.loads(payload))
+        entry = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+        return Delivery(job_id, entry, stream, pair, int(epoch), int(attempts),
+                        json.loads(payload), int(gen or 0), checkpoint)
+
+    def claim(self, stream: str, worker_id: str, entry_ids: Sequence) -> None:
+        """Make this worker the owner of these entries (an adopted checkpoint's jobs)."""
+        if entry_ids:
+            self.r.xclaim(stream, K.GROUP, worker_id, min_idle_time=0,
+                          message_ids=list(entry_ids), justid=True)
 
     def refresh(self, delivery: Delivery, worker_id: str) -> bool:
         """Reset the entry's idle time so no other worker takes it over (heartbeat).
 
         Returns False, and claims nothing, once a newer delivery owns the job: XCLAIM with
         ``min_idle_time=0`` would otherwise pull the entry back from the worker that took
-        it over, and keep refreshing it for a delivery that can no longer commit. The
-        check and the claim are one WATCH/MULTI (the stream and the job hash share the
-        pair's slot).
+        it over. The check and the claim are one script on the pair's slot.
         """
-        def write(p):
-            p.xclaim(delivery.stream, K.GROUP, worker_id, min_idle_time=0,
-                     message_ids=[delivery.entry_id], justid=True)
-        return self._as_owner(delivery.pair.job(delivery.job_id), delivery.epoch, write)
+        return self.refresh_many([delivery], worker_id)[0]
 
-    # Progress is written only by the delivery that owns the job, and only while it runs:
-    # a stale delivery must not overwrite the owner's progress, and a heartbeat that lost
-    # the race with the commit must not turn a done job's progress back below 1.
-    _PROGRESS = """
-    if redis.call('HGET', KEYS[1], 'epoch') == ARGV[1]
-        and redis.call('HGET', KEYS[1], 'status') == 'running' then
-        redis.call('HSET', KEYS[1], 'progress', ARGV[2], 'tokens', ARGV[3])
-        return 1
-    end
-    return 0
-    """
+    def refresh_many(self, deliveries: Sequence[Delivery], worker_id: str) -> list[bool]:
+        """:meth:`refresh` of every job a worker holds, in one round trip."""
+        if not deliveries:
+            return []
+        with self.r.pipeline(transaction=False) as p:
+            for d in deliveries:
+                REFRESH.queue(p, [d.pair.job(d.job_id), d.stream],
+                              [str(d.epoch), K.GROUP, worker_id, d.entry_id])
+            return [bool(x) for x in p.execute()]
 
     def progress(self, delivery: Delivery, fraction: float, tokens: int) -> bool:
-        return bool(self.r.eval(self._PROGRESS, 1, delivery.pair.job(delivery.job_id),
-                                str(delivery.epoch), repr(round(fraction, 4)), int(tokens)))
+        """Written only by the delivery that owns the job, and only while it runs."""
+        return bool(PROGRESS(self.r, [delivery.pair.job(delivery.job_id)],
+                             [str(delivery.epoch), repr(round(fraction, 4)), int(tokens)]))
 
     def ack(self, stream: str, entry_id: bytes) -> None:
+        self.ack_many(stream, [entry_id])
+
+    def ack_many(self, stream: str, entry_ids: Sequence) -> None:
+        """Acknowledge and delete entries of one stream (a checkpoint's jobs)."""
+        if not entry_ids:
+            return
         with self.r.pipeline(transaction=True) as p:
-            p.xack(stream, K.GROUP, entry_id)
-            p.xdel(stream, entry_id)
+            p.xack(stream, K.GROUP, *entry_ids)
+            p.xdel(stream, *entry_ids)
             p.execute()
 
     def _as_owner(self, job_key: str, epoch: Optional[int], write) -> bool:

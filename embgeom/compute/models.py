@@ -20,12 +20,12 @@ import torch
 from transformers import AutoConfig, AutoModel, AutoTokenizer
 
 from embgeom.errors import ModelLoadError, UnknownModel
-from embgeom.positions import Window
+from embgeom.compute.positions import PaddedBatch
 from embgeom.settings import ModelSource, Settings
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ModelInfo", "ModelRegistry", "LoadedModel", "ModelPool", "default_device"]
+__all__ = ["DTYPES", "ModelInfo", "ModelRegistry", "LoadedModel", "ModelPool", "default_device"]
 
 # A tokenizer that declares no limit reports a huge sentinel (int(1e30)).
 _NO_LIMIT = 1_000_000
@@ -165,6 +165,9 @@ def _resolve_source(source: str, cache_dir: Path) -> str:
     return source  # a hub id, served from the local Hugging Face cache
 
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 @dataclass
 class LoadedModel:
     info: ModelInfo
@@ -172,44 +175,38 @@ class LoadedModel:
     model: torch.nn.Module
     device: torch.device
     param_bytes: int
+    dtype: str = "fp32"
+
+    @property
+    def pad_id(self) -> int:
+        return getattr(self.tokenizer, "pad_token_id", None) or 0
 
     @torch.inference_mode()
-    def hidden_states(self, windows: Sequence[Window]) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor]:
-        """Forward one batch of windows, right-padded.
+    def hidden_states(self, input_ids: torch.Tensor, attention: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Forward one right-padded batch (B, T) already on the model's device.
 
-        Returns ``(hidden_states, keys, counted)``: L+1 tensors (B, T, d) as
-        ``hidden_states`` of transformers (0 = embedding output), the keys (B, T) and
-        the mask of counted positions (B, T), padding excluded.
+        Returns L+1 tensors (B, T, d) in the model's dtype, as ``hidden_states`` of
+        transformers (0 = embedding output).
         """
-        longest = max(len(w) for w in windows)
-        rows = len(windows)
-        input_ids = torch.zeros((rows, longest), dtype=torch.long)
-        attention = torch.zeros((rows, longest), dtype=torch.long)
-        keys = torch.zeros((rows, longest), dtype=torch.long)
-        counted = torch.zeros((rows, longest), dtype=torch.bool)
-        pad_id = getattr(self.tokenizer, "pad_token_id", None) or 0
-        input_ids.fill_(pad_id)
-        for i, w in enumerate(windows):
-            t = len(w)
-            input_ids[i, :t] = torch.tensor(w.input_ids)
-            attention[i, :t] = 1
-            keys[i, :t] = torch.tensor(w.keys)
-            counted[i, :t] = torch.tensor(w.counted)
-        out = self.model(
-            input_ids=input_ids.to(self.device),
-            attention_mask=attention.to(self.device),
-            output_hidden_states=True,
-            return_dict=True,
-        )
-        return tuple(out.hidden_states), keys, counted
+        out = self.model(input_ids=input_ids, attention_mask=attention,
+                         output_hidden_states=True, return_dict=True)
+        return tuple(out.hidden_states)
+
+    def forward_padded(self, batch: PaddedBatch) -> tuple[torch.Tensor, ...]:
+        """:meth:`hidden_states` of a :class:`PaddedBatch` given as numpy arrays."""
+        return self.hidden_states(torch.from_numpy(batch.input_ids).to(self.device),
+                                  torch.from_numpy(batch.attention).to(self.device))
 
 
 class ModelPool:
     """Models loaded on demand, kept in an LRU bounded by count and parameter memory."""
 
     def __init__(self, registry: ModelRegistry, device: Optional[str] = None,
-                 max_models: int = 2, max_memory_mb: Optional[int] = None):
+                 max_models: int = 2, max_memory_mb: Optional[int] = None, dtype: str = "fp32"):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}")
         self.registry = registry
+        self.dtype = dtype
         self.device = torch.device(device or default_device())
         self.max_models = max_models
         self.max_memory_bytes = None if max_memory_mb is None else max_memory_mb * 2**20
@@ -218,7 +215,8 @@ class ModelPool:
 
     @classmethod
     def from_settings(cls, registry: ModelRegistry, settings: Settings) -> "ModelPool":
-        return cls(registry, settings.device, settings.max_loaded_models, settings.max_model_memory_mb)
+        return cls(registry, settings.device, settings.max_loaded_models, settings.max_model_memory_mb,
+                   settings.dtype)
 
     def loaded(self) -> list[str]:
         return list(self._models)
@@ -252,10 +250,12 @@ class ModelPool:
         path = self.registry.path(name)
         kwargs = {"gguf_file": spec.gguf_file} if spec.gguf_file else {}
         try:
-            model = AutoModel.from_pretrained(path, dtype=torch.float32, **kwargs)
+            model = AutoModel.from_pretrained(path, dtype=DTYPES[self.dtype], **kwargs)
         except (OSError, ValueError) as exc:
             raise ModelLoadError(name, str(exc)) from exc
         model.eval().to(self.device)
         param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        log.info("loaded model %s from %s on %s (%.0f MB)", name, path, self.device, param_bytes / 2**20)
-        return LoadedModel(info, self.registry.tokenizer(name), model, self.device, param_bytes)
+        log.info("loaded model %s from %s on %s in %s (%.0f MB)", name, path, self.device,
+                 self.dtype, param_bytes / 2**20)
+        return LoadedModel(info, self.registry.tokenizer(name), model, self.device, param_bytes,
+                           self.dtype)

@@ -1,0 +1,138 @@
+"""Texts -> windows -> padded batches -> forward -> per-batch reduction, for one model.
+
+:class:`Engine` splits a job's work in two halves so a worker can overlap them:
+:meth:`Engine.prepare` (tokenise, cut into windows, pad into token-budget batches, pin
+the host memory: CPU work, run on the worker's prefetch thread while the device is busy)
+and :meth:`Engine.run` (copy to the device without blocking, forward, reduce: device
+work, on the worker's main thread).
+
+What a collection counts (its key, its layers, special tokens, self-similarity) comes
+from :class:`CountingRule`, decided once per (collection, model) and fixed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from embgeom.compute.models import LoadedModel
+from embgeom.compute.positions import PaddedBatch, batches_by_token_budget, encode, pad_batch
+from embgeom.compute.reduce import reduce_batch
+from embgeom.stats import LayerMoments, TokenMoments
+
+__all__ = ["CountingRule", "PreparedJob", "Engine", "POOLINGS", "text_embeddings"]
+
+
+@dataclass(frozen=True)
+class CountingRule:
+    """Which positions count, under which key, at which layers (a collection's settings,
+    resolved against one model)."""
+
+    layers: tuple[int, ...]
+    key: str = "id"
+    include_special: bool = False
+    self_similarity: bool = True
+
+
+@dataclass
+class PreparedJob:
+    """A job's texts, ready for the device: its batches and how many embeddings count."""
+
+    batches: list
+    counted: int
+    windows: int
+
+
+class Engine:
+    """Forward + reduction of one loaded model under one counting rule."""
+
+    def __init__(self, loaded: LoadedModel, rule: CountingRule, token_budget: int = 16384,
+                 precision: str = "fp32"):
+        self.loaded = loaded
+        self.rule = rule
+        self.token_budget = max(token_budget, loaded.info.max_length)
+        self.precision = precision
+        self._pin = loaded.device.type == "cuda"
+
+    def prepare(self, texts: Sequence[str]) -> PreparedJob:
+        """Tokenise and batch (host work; thread-safe)."""
+        info = self.loaded.info
+        enc = encode(self.loaded.tokenizer, texts, info.max_length, self.rule.include_special,
+                     self.rule.key)
+        batches = []
+        for windows in batches_by_token_budget(enc.lengths, self.token_budget):
+            batches.append(self._to_tensors(pad_batch(enc, windows, self.loaded.pad_id)))
+        return PreparedJob(batches, enc.num_counted, enc.num_windows)
+
+    def _to_tensors(self, batch: PaddedBatch) -> dict:
+        out = {name: torch.from_numpy(getattr(batch, name))
+               for name in ("input_ids", "attention", "keys", "counted")}
+        if self._pin:
+            out = {k: v.pin_memory() for k, v in out.items()}
+        return out
+
+    @torch.inference_mode()
+    def run(self, batch: dict) -> tuple[TokenMoments, LayerMoments]:
+        """Forward one prepared batch and reduce it on the device."""
+        dev = self.loaded.device
+        moved = {k: v.to(dev, non_blocking=True) for k, v in batch.items()}
+        hidden = self.loaded.hidden_states(moved["input_ids"], moved["attention"])
+        return reduce_batch(hidden, self.rule.layers, moved["keys"], moved["counted"],
+                            self.rule.self_similarity, self.precision)
+
+
+POOLINGS = ("cls", "mean", "last")
+
+
+def text_embeddings(
+    loaded: LoadedModel,
+    texts: Sequence[str],
+    layers: Sequence[int],
+    pooling: Optional[str] = None,
+    include_special: bool = False,
+    token_budget: int = 16384,
+) -> dict[int, np.ndarray]:
+    """Raw hidden states for small synchronous requests (isotropy samples, probes).
+
+    With ``pooling=None``: per layer, every counted embedding, shape (N, d), float32, in
+    text order. With a pooling, one vector per text, shape (len(texts), d), float64:
+    ``cls`` = the first position of the text's first window (the [CLS] token of an
+    encoder, the first token of a decoder), ``mean`` = the mean of the text's counted
+    positions over all its windows, ``last`` = the last position of its last window
+    (the final [SEP] of an encoder, the last token of a decoder).
+    """
+    if pooling is not None and pooling not in POOLINGS:
+        raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}")
+    info = loaded.info
+    enc = encode(loaded.tokenizer, texts, info.max_length, include_special)
+    d = info.hidden_size
+    P = enc.input_ids.shape[0]
+    # Every position's hidden state, in flat (window, position) order.
+    flat = {l: np.zeros((P, d), dtype=np.float32) for l in layers}
+    for windows in batches_by_token_budget(enc.lengths, max(token_budget, info.max_length)):
+        batch = pad_batch(enc, windows, loaded.pad_id)
+        hidden = loaded.forward_padded(batch)
+        real = batch.attention.astype(bool)
+        dest = (enc.starts[windows][:, None] + np.arange(real.shape[1])[None, :])[real]
+        for l in layers:
+            flat[l][dest] = hidden[l][torch.from_numpy(real).to(hidden[l].device)].float().cpu().numpy()
+    if pooling is None:
+        return {l: flat[l][enc.counted] for l in layers}
+    window_of = np.repeat(np.arange(enc.num_windows), enc.lengths)
+    text_of = enc.text_index[window_of]
+    counts = np.bincount(text_of[enc.counted], minlength=len(texts)).astype(np.float64)
+    first = enc.starts[:-1][np.unique(enc.text_index, return_index=True)[1]]
+    last_window = len(enc.text_index) - 1 - np.unique(enc.text_index[::-1], return_index=True)[1]
+    last = enc.starts[1:][last_window] - 1
+    out = {}
+    for l in layers:
+        if pooling == "mean":
+            sums = np.zeros((len(texts), d))
+            np.add.at(sums, text_of[enc.counted], flat[l][enc.counted].astype(np.float64))
+            out[l] = sums / np.maximum(counts, 1)[:, None]
+        else:
+            out[l] = flat[l][first if pooling == "cls" else last].astype(np.float64)
+    return out

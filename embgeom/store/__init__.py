@@ -1,0 +1,13 @@
+"""The accumulator store on Redis (one server or a Redis Cluster).
+
+- :mod:`~embgeom.store.connection`, :mod:`~embgeom.store.server`: clients from URLs, and the
+  embedded/test ``redis-server`` process;
+- :mod:`~embgeom.store.keys`: the key layout; :mod:`~embgeom.store.conf`: collection
+  settings and each pair's fixed configuration; :mod:`~embgeom.store.codec`: record layouts;
+- :mod:`~embgeom.store.jobs`: the job queue (Redis Streams);
+- :mod:`~embgeom.store.checkpoints`: the exactly-once checkpoint, over
+  :mod:`~embgeom.store.shards` (per-token state) and :mod:`~embgeom.store.layers`
+  (per-layer state), with :mod:`~embgeom.store.scripts` (its atomic steps);
+- :mod:`~embgeom.store.collections`: settings, listing, deletion;
+- :mod:`~embgeom.store.reader`: reads, as plans for a sync or an async client.
+"""

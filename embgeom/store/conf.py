@@ -1,0 +1,182 @@
+"""A collection's settings, and what they fix for each of its (collection, model) pairs.
+
+Settings are chosen when a collection is created (``PUT /v1/collections/{c}``, or the
+defaults on its first job) and never change: every number of a collection is counted by
+one rule. A pair's :class:`PairConf` resolves them against the model (which layers exist,
+the hidden size) and fixes the storage geometry (shards, co-moment chunks) for the pair's
+generation.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Optional, Sequence
+
+import numpy as np
+
+from embgeom.errors import InvalidInput
+
+__all__ = ["KEYS", "UNITS", "PRESETS", "CollectionSettings", "PairConf", "shard_of", "chunk_rows"]
+
+KEYS = ("id", "string")
+UNITS = ("token", "word")
+
+# The paper's released code (Yamagiwa & Shimodaira): tokens keyed by their string with
+# subword markers stripped, special tokens counted.
+PRESETS = {
+    "paper": {"key": "string", "unit": "token", "include_special": True, "layers": None,
+              "self_similarity": True},
+}
+
+
+@dataclass(frozen=True)
+class CollectionSettings:
+    """How a collection counts: key, unit, special tokens, layers, self-similarity."""
+
+    key: str = "id"
+    unit: str = "token"
+    include_special: bool = False
+    layers: Optional[tuple[int, ...]] = None
+    self_similarity: bool = True
+    preset: Optional[str] = None
+
+    def __post_init__(self):
+        if self.key not in KEYS:
+            raise InvalidInput(f"key must be one of {', '.join(KEYS)}", type="invalid_settings")
+        if self.unit not in UNITS:
+            raise InvalidInput(f"unit must be one of {', '.join(UNITS)}", type="invalid_settings")
+        if self.layers is not None:
+            layers = tuple(sorted(set(int(l) for l in self.layers)))
+            if not layers or layers[0] < 0:
+                raise InvalidInput("layers must be a non-empty list of indices >= 0 (or null)",
+                                   type="invalid_settings")
+            object.__setattr__(self, "layers", layers)
+
+    @classmethod
+    def from_preset(cls, name: str) -> "CollectionSettings":
+        if name not in PRESETS:
+            raise InvalidInput(f"unknown preset {name!r}; known: {', '.join(PRESETS)}",
+                               type="invalid_settings")
+        return cls(**PRESETS[name], preset=name)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["layers"] = list(self.layers) if self.layers is not None else None
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CollectionSettings":
+        d = dict(d)
+        if d.get("layers") is not None:
+            d["layers"] = tuple(d["layers"])
+        return cls(**{k: d[k] for k in ("key", "unit", "include_special", "layers",
+                                        "self_similarity", "preset") if k in d})
+
+    def same_rule(self, other: "CollectionSettings") -> bool:
+        """The same counting rule (a preset's name is only a label)."""
+        a, b = self.to_dict(), other.to_dict()
+        a.pop("preset"), b.pop("preset")
+        return a == b
+
+
+def chunk_rows(d: int, chunk_bytes: int) -> tuple[int, ...]:
+    """Row boundaries of the upper-triangular co-moment's chunks.
+
+    Row i of the upper triangle holds ``d - i`` entries; rows are grouped greedily so a
+    chunk (plus its ``n, mean`` prefix of ``1 + d`` floats) stays within ``chunk_bytes``.
+    Returns ``(0, r1, ..., d)``.
+    """
+    budget = max(chunk_bytes // 8 - (1 + d), d)
+    bounds, size = [0], 0
+    for i in range(d):
+        if size and size + (d - i) > budget:
+            bounds.append(i)
+            size = 0
+        size += d - i
+    bounds.append(d)
+    return tuple(bounds)
+
+
+@dataclass(frozen=True)
+class PairConf:
+    """A pair's counting rule and storage geometry, fixed for one generation.
+
+    ``layers`` are ``hidden_states`` indices (0 = embedding output) in increasing order;
+    record layouts (see :mod:`embgeom.store.codec`) follow them.
+    """
+
+    gen: int
+    layers: tuple[int, ...]
+    hidden_size: int
+    num_hidden_states: int
+    vocab_size: int
+    shards: int
+    self_similarity: bool
+    key: str
+    unit: str
+    include_special: bool
+    chunks: tuple[int, ...]
+    architecture: str = ""
+    created_at: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def L(self) -> int:
+        return len(self.layers)
+
+    @property
+    def d(self) -> int:
+        return self.hidden_size
+
+    def layer_position(self, layer: int) -> Optional[int]:
+        """Index of hidden_states layer ``layer`` in the records, or None if not kept."""
+        try:
+            return self.layers.index(layer)
+        except ValueError:
+            return None
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        d["layers"], d["chunks"] = list(self.layers), list(self.chunks)
+        return json.dumps(d, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, raw) -> "PairConf":
+        d = json.loads(raw)
+        d["layers"], d["chunks"] = tuple(d["layers"]), tuple(d["chunks"])
+        return cls(**d)
+
+    @classmethod
+    def resolve(cls, settings: CollectionSettings, gen: int, num_hidden_states: int,
+                hidden_size: int, vocab_size: int, shards: int, chunk_bytes: int,
+                architecture: str = "", created_at: float = 0.0) -> "PairConf":
+        """The settings applied to one model; a layer the model lacks is refused."""
+        layers = tuple(range(num_hidden_states)) if settings.layers is None else settings.layers
+        missing = [l for l in layers if l >= num_hidden_states]
+        if missing:
+            raise InvalidInput(
+                f"the collection keeps layers {list(layers)} but the model has hidden states "
+                f"0..{num_hidden_states - 1}", type="layer_out_of_range", layers=list(layers),
+                num_layers=num_hidden_states - 1)
+        return cls(gen=gen, layers=tuple(layers), hidden_size=hidden_size,
+                   num_hidden_states=num_hidden_states, vocab_size=vocab_size, shards=shards,
+                   self_similarity=settings.self_similarity, key=settings.key,
+                   unit=settings.unit, include_special=settings.include_special,
+                   chunks=chunk_rows(hidden_size, chunk_bytes), architecture=architecture,
+                   created_at=created_at)
+
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def shard_of(keys: Sequence[int] | np.ndarray, shards: int) -> np.ndarray:
+    """The shard of each token key: a Fibonacci hash, so consecutive ids (frequent tokens
+    of one tokenizer family sit together) spread evenly. ndarray (k,) int64."""
+    k = np.asarray(keys, dtype=np.int64).astype(np.uint64)
+    with np.errstate(over="ignore"):
+        h = (k * _GOLDEN) >> np.uint64(32)
+    return (h % np.uint64(shards)).astype(np.int64)

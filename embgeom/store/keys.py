@@ -1,0 +1,191 @@
+"""The Redis key layout, in one place.
+
+Control keys of one (collection, model) pair share the hash tag ``{c:m}``, so on Redis
+Cluster they sit in one slot: a job's submission, delivery, retry, dead letter, the seal
+and the completion of a checkpoint are each one atomic step (MULTI/EXEC or a Lua script)
+on that slot::
+
+    eg:{c:m}:meta          hash   version (completed checkpoints), updated_at
+    eg:{c:m}:gen           string generation, bumped by DELETE; everything of an older one is void
+    eg:{c:m}:conf:<g>      string JSON PairConf of generation g, fixed when its first job runs
+    eg:{c:m}:inflight      zset   checkpoints sealed and not yet completed -> seal time (ms)
+    eg:{c:m}:cp:<id>       hash   a sealed checkpoint: its jobs, stream entries, owner, lease
+    eg:{c:m}:done          zset   completed checkpoints awaiting marker pruning -> completion (ms)
+    eg:{c:m}:job:<id>      hash   job status
+    eg:{c:m}:payload:<id>  string the job's texts (JSON), deleted when its checkpoint completes
+    eg:{c:m}:jobs          stream job ids waiting for a worker (consumer group ``workers``)
+    eg:{c:m}:idem:<key>    string job id for an Idempotency-Key used with this pair
+
+The accumulators of generation g are *parts*, each with its own hash tag, so their slots
+spread over a cluster and checkpoints of different workers write them in parallel:
+
+- token shard s, tag ``{c:m:g:s<s>}`` (a token's shard is a hash of its key)::
+
+    :rec      hash  key -> float64[1 + L + L d]   (n, m2 per layer, mean per layer)
+    :unit     hash  key -> float64[L d]           unit-vector sums (only with self-similarity)
+    :scal     hash  key -> float64[1 + 2 L]       (n, M per layer, m2 per layer): scans
+    :bkt      hash  bucket -> float64[2 + L d]    (types, sum n_t, sum n_t mean_t): filters
+    :agg      string float64[2 + L]               (types, sum n_t, sum m2_t per layer)
+    :applied  hash  checkpoint id -> its pieces applied here ("0,1,...")
+    :lock     string fencing token of the worker applying to this shard (PX lease)
+    :dead     string set when the generation is deleted: later writes are refused
+
+- the layer head, tag ``{c:m:g:h}``, and co-moment chunk j of layer l, tag
+  ``{c:m:g:L<l>c<j>}``::
+
+    :seg      hash  "base" and one field per checkpoint not yet folded into it
+    :folded   hash  checkpoint id -> fold time (a late rewrite of a folded segment is refused)
+    :lock, :dead    as for shards
+
+Global keys (small, one slot each; never in a transaction with a pair's keys)::
+
+    eg:{c}:settings        hash   a collection's settings (fixed at its creation)
+    eg:pairs               set    "c:m" of every collection/model with data or jobs
+    eg:streams:<model>     set    "c:m" of every pair that has (had) a job stream for <model>
+    eg:jobref:<id>         string "c:m" of a job, to find its status key
+    eg:idem:<key>          string "c:m" an Idempotency-Key was first used with
+    eg:workers             zset   worker id -> last heartbeat (unix seconds)
+    eg:worker:<id>         string worker's last heartbeat details (JSON, with a TTL)
+
+The directory entries (``eg:pairs``, ``eg:streams:<model>``, ``eg:jobref:<id>``,
+``eg:idem:<key>``) are written by separate idempotent commands *before* the pair-slot
+MULTI that enqueues a job, so a job that exists is always findable; an orphan entry left
+by a failed submission is harmless.
+"""
+
+from __future__ import annotations
+
+import re
+
+NAME_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
+_NAME = re.compile(NAME_PATTERN)
+
+GROUP = "workers"  # the consumer group every worker joins
+
+
+def valid_name(name: str) -> bool:
+    return bool(_NAME.match(name))
+
+
+class PairKeys:
+    """Control keys of one (collection, model) pair."""
+
+    def __init__(self, collection: str, model: str):
+        self.collection = collection
+        self.model = model
+        self.tag = f"{{{collection}:{model}}}"
+        self.pair = f"{collection}:{model}"
+
+    def __repr__(self) -> str:
+        return f"PairKeys({self.pair!r})"
+
+    def _k(self, suffix: str) -> str:
+        return f"eg:{self.tag}:{suffix}"
+
+    @property
+    def meta(self) -> str:
+        return self._k("meta")
+
+    @property
+    def gen(self) -> str:
+        return self._k("gen")
+
+    def conf(self, gen: int) -> str:
+        return self._k(f"conf:{gen}")
+
+    @property
+    def inflight(self) -> str:
+        return self._k("inflight")
+
+    def checkpoint(self, cp: str) -> str:
+        return self._k(f"cp:{cp}")
+
+    @property
+    def done(self) -> str:
+        return self._k("done")
+
+    def job(self, job_id: str) -> str:
+        return self._k(f"job:{job_id}")
+
+    def payload(self, job_id: str) -> str:
+        return self._k(f"payload:{job_id}")
+
+    @property
+    def jobs(self) -> str:
+        """The pair's job stream (consumer group :data:`GROUP`)."""
+        return self._k("jobs")
+
+    def idem(self, key: str) -> str:
+        return self._k(f"idem:{key}")
+
+    def parts(self, gen: int) -> "PartKeys":
+        return PartKeys(self, gen)
+
+
+class PartTag:
+    """The keys of one accumulator part (a shard or a layer part): one hash tag."""
+
+    def __init__(self, tag: str):
+        self.tag = tag
+
+    def __getattr__(self, name: str) -> str:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return f"eg:{self.tag}:{name}"
+
+    def __repr__(self) -> str:
+        return f"PartTag({self.tag!r})"
+
+
+SHARD_KEYS = ("rec", "unit", "scal", "bkt", "agg", "applied", "lock")
+LAYER_PART_KEYS = ("seg", "folded", "lock")
+
+
+class PartKeys:
+    """The accumulator parts of one pair's generation."""
+
+    def __init__(self, pair: PairKeys, gen: int):
+        self.pair = pair
+        self.gen = int(gen)
+        self._prefix = f"{pair.collection}:{pair.model}:{self.gen}"
+
+    def shard(self, s: int) -> PartTag:
+        return PartTag(f"{{{self._prefix}:s{s}}}")
+
+    @property
+    def head(self) -> PartTag:
+        return PartTag(f"{{{self._prefix}:h}}")
+
+    def chunk(self, layer: int, j: int) -> PartTag:
+        return PartTag(f"{{{self._prefix}:L{layer}c{j}}}")
+
+
+def collection_settings(collection: str) -> str:
+    return f"eg:{{{collection}}}:settings"
+
+
+PAIRS = "eg:pairs"
+WORKERS = "eg:workers"
+
+
+def split_pair(pair: str) -> tuple[str, str]:
+    collection, model = pair.split(":", 1)
+    return collection, model
+
+
+def jobref(job_id: str) -> str:
+    return f"eg:jobref:{job_id}"
+
+
+def idempotency(key: str) -> str:
+    """Global: the pair an Idempotency-Key was first used with (the job id is per pair)."""
+    return f"eg:idem:{key}"
+
+
+def streams(model: str) -> str:
+    """Global: the set of pairs ("c:m") whose job streams serve ``model``."""
+    return f"eg:streams:{model}"
+
+
+def worker(worker_id: str) -> str:
+    return f"eg:worker:{worker_id}"

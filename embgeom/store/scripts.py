@@ -1,0 +1,213 @@
+"""Lua scripts: the conditional, atomic steps of the checkpoint protocol, one slot each.
+
+Lua here only checks conditions and moves bytes (HSET of values computed by the worker);
+no arithmetic on vectors runs inside Redis, so a script's run time is the copy of the
+bytes it is given (a checkpoint piece is bounded by ``EMBGEOM_PIECE_BYTES``).
+
+Every script names all its keys (one hash tag), so it runs unchanged on Redis Cluster.
+Times are Redis's own (``TIME``), in milliseconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import redis
+
+__all__ = ["Script", "SEAL", "COMPLETE", "ADOPT", "RENEW", "APPLY_PIECE", "PUT_SEGMENT", "FOLD",
+           "KILL_PART", "PROGRESS", "REFRESH"]
+
+_NOW = """
+local _t = redis.call('TIME')
+local now = tonumber(_t[1]) * 1000 + math.floor(tonumber(_t[2]) / 1000)
+"""
+
+
+class Script:
+    """A Lua script sent with EVALSHA, falling back to EVAL the first time a server (or
+    cluster node) has not seen it; works in pipelines too (the pipeline caller handles
+    NOSCRIPT by replaying with :meth:`eval_args`)."""
+
+    def __init__(self, source: str):
+        self.source = _NOW + source
+        self.sha = hashlib.sha1(self.source.encode()).hexdigest()
+
+    def __call__(self, client, keys, args):
+        try:
+            return client.evalsha(self.sha, len(keys), *keys, *args)
+        except redis.exceptions.NoScriptError:
+            return client.eval(self.source, len(keys), *keys, *args)
+
+    def queue(self, pipe, keys, args) -> None:
+        """Queue on a pipeline; EVAL (not EVALSHA) so no reply can be NOSCRIPT. The script
+        body is cached by the server after its first run; its text is ~2 kB per call."""
+        pipe.eval(self.source, len(keys), *keys, *args)
+
+
+# Seal: the jobs of a window become one checkpoint, atomically, if this worker still owns
+# every one of them. KEYS: gen, inflight, cp, job... ARGV: cp, gen, record, owner,
+# lease_ms, epoch... -> {1, now} | {0, i} (job i is not ours) | {-1, 0} (collection deleted)
+SEAL = Script("""
+if (redis.call('GET', KEYS[1]) or '0') ~= ARGV[2] then return {-1, 0} end
+for i = 4, #KEYS do
+  local st = redis.call('HMGET', KEYS[i], 'status', 'epoch', 'checkpoint', 'gen')
+  if st[1] ~= 'running' or st[2] ~= ARGV[i + 2] or (st[4] or '0') ~= ARGV[2]
+     or (st[3] and st[3] ~= '' and st[3] ~= ARGV[1]) then
+    return {0, i - 3}
+  end
+end
+redis.call('HSET', KEYS[3], 'record', ARGV[3], 'owner', ARGV[4],
+           'lease_until', now + tonumber(ARGV[5]), 'sealed_at', now, 'gen', ARGV[2])
+for i = 4, #KEYS do redis.call('HSET', KEYS[i], 'checkpoint', ARGV[1]) end
+redis.call('ZADD', KEYS[2], now, ARGV[1])
+return {1, now}
+""")
+
+# Complete: every part holds the checkpoint; its jobs are done, once.
+# KEYS: gen, inflight, cp, meta, done, job x m, payload x m.
+# ARGV: cp, done-member, tokens x m -> {1, version} | {0, 0} (completed before) | {-1, 0} (void)
+COMPLETE = Script("""
+if redis.call('EXISTS', KEYS[3]) == 0 then return {0, 0} end
+local m = (#KEYS - 5) / 2
+local cpgen = redis.call('HGET', KEYS[3], 'gen')
+local at = string.format('%.3f', now / 1000)
+if (redis.call('GET', KEYS[1]) or '0') ~= cpgen then
+  for i = 1, m do
+    redis.call('HSET', KEYS[5 + i], 'status', 'failed', 'finished_at', at,
+               'error', 'the collection was deleted while the job was running')
+    redis.call('DEL', KEYS[5 + m + i])
+  end
+  redis.call('DEL', KEYS[3])
+  redis.call('ZREM', KEYS[2], ARGV[1])
+  return {-1, 0}
+end
+for i = 1, m do
+  redis.call('HSET', KEYS[5 + i], 'status', 'done', 'progress', '1.0', 'tokens', ARGV[2 + i],
+             'finished_at', at, 'error', '')
+  redis.call('DEL', KEYS[5 + m + i])
+end
+local v = redis.call('HINCRBY', KEYS[4], 'version', 1)
+redis.call('HSET', KEYS[4], 'updated_at', at)
+redis.call('DEL', KEYS[3])
+redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('ZADD', KEYS[5], now, ARGV[2])
+return {1, v}
+""")
+
+# Adopt a sealed checkpoint whose owner went silent: bump the epoch of each of its jobs
+# (fencing the old owner's job-level writes) and take its lease.
+# KEYS: cp, job... ARGV: owner, lease_ms -> {1, epoch...} | {0} (gone) | {-1} (owner alive)
+ADOPT = Script("""
+if redis.call('EXISTS', KEYS[1]) == 0 then return {0} end
+local owner = redis.call('HGET', KEYS[1], 'owner')
+if tonumber(redis.call('HGET', KEYS[1], 'lease_until') or '0') > now and owner ~= ARGV[1] then
+  return {-1}
+end
+redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'lease_until', now + tonumber(ARGV[2]))
+local out = {1}
+for i = 2, #KEYS do
+  out[#out + 1] = redis.call('HINCRBY', KEYS[i], 'epoch', 1)
+  redis.call('HSET', KEYS[i], 'worker', ARGV[1], 'status', 'running')
+end
+return out
+""")
+
+# The owner's heartbeat keeps its checkpoint lease. KEYS: cp. ARGV: owner, lease_ms.
+RENEW = Script("""
+if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], 'lease_until', now + tonumber(ARGV[2]))
+return 1
+""")
+
+# Apply one piece of a checkpoint to a token shard, once. The caller holds the shard's
+# lock (fencing token ARGV[1]) and checked, at ARGV[4], that the checkpoint is in flight.
+# KEYS: lock, applied, dead, rec, unit, scal, bkt, agg.
+# ARGV: fence, cp, piece, checked_ms, max_age_ms, unlock, n_rec, n_unit, n_scal, n_bkt,
+#       field/value pairs..., agg
+# -> 1 applied | 2 already there | 0 lock lost | -1 generation deleted | -2 check too old
+APPLY_PIECE = Script("""
+local function release() if ARGV[6] == '1' then redis.call('DEL', KEYS[1]) end end
+if redis.call('EXISTS', KEYS[3]) == 1 then return -1 end
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+if now - tonumber(ARGV[4]) > tonumber(ARGV[5]) then release() return -2 end
+local have = redis.call('HGET', KEYS[2], ARGV[2])
+if have and string.find(',' .. have .. ',', ',' .. ARGV[3] .. ',', 1, true) then
+  release()
+  return 2
+end
+local i = 11
+local function put(key, count)
+  local j = 0
+  while j < count do
+    local args, last = {}, math.min(count, j + 500)
+    for _ = j + 1, last do
+      args[#args + 1] = ARGV[i]
+      args[#args + 1] = ARGV[i + 1]
+      i = i + 2
+    end
+    redis.call('HSET', key, unpack(args))
+    j = last
+  end
+end
+put(KEYS[4], tonumber(ARGV[7]))
+put(KEYS[5], tonumber(ARGV[8]))
+put(KEYS[6], tonumber(ARGV[9]))
+put(KEYS[7], tonumber(ARGV[10]))
+redis.call('SET', KEYS[8], ARGV[i])
+redis.call('HSET', KEYS[2], ARGV[2], have and (have .. ',' .. ARGV[3]) or ARGV[3])
+release()
+return 1
+""")
+
+# Add a checkpoint's segment to a layer part (idempotent: one field per checkpoint).
+# KEYS: seg, folded, dead. ARGV: cp, bytes, checked_ms, max_age_ms
+# -> segments in the part | -1 deleted | -2 check too old | -3 already folded into base
+PUT_SEGMENT = Script("""
+if redis.call('EXISTS', KEYS[3]) == 1 then return -1 end
+if now - tonumber(ARGV[3]) > tonumber(ARGV[4]) then return -2 end
+if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1 then return -3 end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+return redis.call('HLEN', KEYS[1])
+""")
+
+# Fold segments into the base (compaction), under the part's lock.
+# KEYS: lock, seg, folded. ARGV: fence, base bytes, cp... -> 1 | 0 (lock lost)
+FOLD = Script("""
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[2], 'base', ARGV[2])
+for i = 3, #ARGV do
+  redis.call('HDEL', KEYS[2], ARGV[i])
+  redis.call('HSET', KEYS[3], ARGV[i], now)
+end
+redis.call('DEL', KEYS[1])
+return 1
+""")
+
+# A deleted generation's part: mark it dead (later writes refused) and free it.
+# KEYS: dead, key... ARGV: ttl_seconds
+KILL_PART = Script("""
+redis.call('SET', KEYS[1], '1', 'EX', tonumber(ARGV[1]))
+for i = 2, #KEYS do redis.call('UNLINK', KEYS[i]) end
+return 1
+""")
+
+# Progress is written only by the delivery that owns the job, and only while it runs:
+# a stale delivery must not overwrite the owner's progress, and a heartbeat that lost the
+# race with the completion must not turn a done job's progress back below 1.
+PROGRESS = Script("""
+if redis.call('HGET', KEYS[1], 'epoch') == ARGV[1]
+    and redis.call('HGET', KEYS[1], 'status') == 'running' then
+  redis.call('HSET', KEYS[1], 'progress', ARGV[2], 'tokens', ARGV[3])
+  return 1
+end
+return 0
+""")
+
+# Keep a delivery's stream entry from being taken over (heartbeat), only while that
+# delivery still owns the job: a superseded delivery must not pull the entry back.
+# KEYS: job, stream. ARGV: epoch, group, consumer, entry id -> 1 | 0
+REFRESH = Script("""
+if redis.call('HGET', KEYS[1], 'epoch') ~= ARGV[1] then return 0 end
+redis.call('XCLAIM', KEYS[2], ARGV[2], ARGV[3], 0, ARGV[4], 'JUSTID')
+return 1
+""")

@@ -1,0 +1,298 @@
+"""Token shards: applying a checkpoint's per-token moments, once, shard by shard.
+
+A pair's per-token state is split into ``conf.shards`` shards by a hash of the token key,
+each shard its own hash slot (:mod:`embgeom.store.keys`). A checkpoint touches every shard
+that holds one of its tokens; within a shard its tokens are cut into *pieces* of at most
+``piece_tokens`` tokens (sorted by key, so a redelivered checkpoint cuts the same pieces),
+which bounds the bytes a single Redis command carries.
+
+One round, for a group of shards::
+
+    SET lock NX PX       try-lock each shard (a fencing token); a busy shard waits for a
+                         later round, the others go on: workers never wait on each other
+    inflight check       the checkpoint is still sealed-not-completed (control slot), at t
+    HGET applied, HMGET rec/unit of the touched keys, HGETALL bkt, GET agg    (one pipeline)
+    numpy                Chan-merge every touched token (float64), bucket and agg deltas
+    APPLY_PIECE x p      per piece, atomically: fence still ours, piece not yet applied,
+                         check younger than the horizon -> HSET records, bkt, agg, mark
+                         the piece applied; the shard's last piece releases the lock
+
+A piece already marked applied (a checkpoint redelivered after a crash) is skipped, and
+its tokens are not merged again. A lost lock (a lease that expired) redoes that shard's
+remaining pieces from a fresh read: a conflict redoes one shard, never the checkpoint.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import redis
+
+from embgeom.errors import CheckTooOld, GenerationDeleted, StoreUnavailable
+from embgeom.stats import BUCKET_EDGES, TokenMoments, bucket_index, chan_merge
+from embgeom.store import codec
+from embgeom.store.conf import PairConf, shard_of
+from embgeom.store.keys import PartKeys
+from embgeom.store.scripts import APPLY_PIECE
+
+__all__ = ["ApplyStats", "ShardWriter", "pieces_of", "piece_tokens_for"]
+
+NUM_BUCKETS = len(BUCKET_EDGES)
+
+
+@dataclass
+class ApplyStats:
+    shards: int = 0
+    pieces: int = 0
+    pieces_skipped: int = 0
+    rounds: int = 0
+    busy: int = 0          # shard lock attempts that found another writer
+    lost: int = 0          # pieces whose lock expired before they were written
+    bytes_read: int = 0
+    bytes_written: int = 0
+    seconds: dict = field(default_factory=lambda: {"lock": 0.0, "read": 0.0, "merge": 0.0,
+                                                    "write": 0.0})
+
+
+def pieces_of(ids: np.ndarray, conf: PairConf, piece_tokens: int) -> list[tuple[int, int, np.ndarray]]:
+    """``(shard, piece, rows)`` of a checkpoint: rows into ``ids`` (sorted keys)."""
+    shards = shard_of(ids, conf.shards)
+    order = np.argsort(shards, kind="stable")  # within a shard, keys stay sorted
+    bounds = np.searchsorted(shards[order], np.arange(conf.shards + 1))
+    out = []
+    for s in range(conf.shards):
+        rows = order[bounds[s]:bounds[s + 1]]
+        for p, start in enumerate(range(0, len(rows), piece_tokens)):
+            out.append((s, p, rows[start:start + piece_tokens]))
+    return out
+
+
+def piece_tokens_for(conf: PairConf, piece_bytes: int) -> int:
+    per_token = 8 * (1 + conf.L + conf.L * conf.d) + 8 * (1 + 2 * conf.L)
+    if conf.self_similarity:
+        per_token += 8 * conf.L * conf.d
+    return max(1, piece_bytes // per_token)
+
+
+class ShardWriter:
+    """Applies checkpoints' token moments to a pair's shards."""
+
+    def __init__(self, client: redis.Redis, worker_id: str, lock_ms: int = 30_000,
+                 max_age_ms: int = 600_000, group_bytes: int = 256 << 20):
+        self.r = client
+        self.worker_id = worker_id
+        self.lock_ms = lock_ms
+        self.max_age_ms = max_age_ms
+        self.group_bytes = group_bytes
+
+    def apply(self, parts: PartKeys, conf: PairConf, cp: str, tokens: TokenMoments,
+              piece_tokens: int, check: Callable[[], int]) -> ApplyStats:
+        """Apply ``tokens`` (sorted keys) as checkpoint ``cp``; returns what it took.
+
+        ``check()`` verifies the checkpoint is still in flight and returns Redis's time
+        in ms (raising if it was completed meanwhile)."""
+        stats = ApplyStats()
+        pending: dict[int, list[tuple[int, np.ndarray]]] = {}
+        for s, p, rows in pieces_of(tokens.ids, conf, piece_tokens):
+            pending.setdefault(s, []).append((p, rows))
+        stats.shards = len(pending)
+        per_token = 8 * (1 + conf.L + conf.L * conf.d) * (2 if conf.self_similarity else 1)
+        while pending:
+            # A group of shards whose touched records fit the memory budget of one round.
+            group, size = [], 0
+            for s in sorted(pending, key=lambda s: random.random()):
+                n = sum(len(rows) for _, rows in pending[s])
+                if group and size + n * per_token * 3 > self.group_bytes:
+                    break
+                group.append(s)
+                size += n * per_token * 3
+            done = self._round(parts, conf, cp, tokens, {s: pending[s] for s in group}, check, stats)
+            for s in done:
+                pending.pop(s)
+            if len(done) < len(group):
+                stats.busy += len(group) - len(done)
+                time.sleep(0.002 + 0.01 * random.random())
+        return stats
+
+    # ------------------------------------------------------------------ one round
+    def _round(self, parts, conf, cp, tokens, group, check, stats) -> list[int]:
+        """Lock, read, merge and write a group of shards; returns the shards finished."""
+        stats.rounds += 1
+        t0 = time.perf_counter()
+        fence = f"{self.worker_id}:{uuid.uuid4().hex[:12]}"
+        with self.r.pipeline(transaction=False) as p:
+            for s in group:
+                p.set(parts.shard(s).lock, fence, nx=True, px=self.lock_ms)
+            got = p.execute()
+        locked = [s for s, ok in zip(group, got) if ok]
+        stats.seconds["lock"] += time.perf_counter() - t0
+        if not locked:
+            return []
+        try:
+            checked = check()
+            t1 = time.perf_counter()
+            state = self._read(parts, conf, cp, tokens, {s: group[s] for s in locked}, stats)
+            t2 = time.perf_counter()
+            stats.seconds["read"] += t2 - t1
+            writes = self._merge(conf, cp, tokens, state, stats)
+            t3 = time.perf_counter()
+            stats.seconds["merge"] += t3 - t2
+            finished = self._write(parts, cp, fence, checked, writes, stats)
+            stats.seconds["write"] += time.perf_counter() - t3
+            return finished
+        except BaseException:
+            self._unlock(parts, locked, fence)
+            raise
+
+    def _unlock(self, parts, shards, fence) -> None:
+        try:
+            with self.r.pipeline(transaction=False) as p:
+                for s in shards:
+                    # Only our own lock: a compare-and-delete (no script needed for a hint).
+                    p.get(parts.shard(s).lock)
+                mine = [s for s, v in zip(shards, p.execute()) if v == fence.encode()]
+            if mine:
+                with self.r.pipeline(transaction=False) as p:
+                    for s in mine:
+                        p.delete(parts.shard(s).lock)
+                    p.execute()
+        except redis.RedisError:
+            pass  # the lease expires on its own
+
+    def _read(self, parts, conf, cp, tokens, group, stats) -> dict:
+        with self.r.pipeline(transaction=False) as p:
+            for s, pieces in group.items():
+                keys = parts.shard(s)
+                ids = tokens.ids[np.concatenate([rows for _, rows in pieces])]
+                fields = [str(int(i)) for i in ids.tolist()]
+                p.hget(keys.applied, cp)
+                p.get(keys.agg)
+                p.hgetall(keys.bkt)
+                p.hmget(keys.rec, fields)
+                if conf.self_similarity:
+                    p.hmget(keys.unit, fields)
+            replies = iter(p.execute())
+        state = {}
+        for s, pieces in group.items():
+            applied_raw = next(replies)
+            applied = set() if applied_raw is None else {int(x) for x in applied_raw.split(b",")}
+            agg_raw, bkt_raw, rec_raw = next(replies), next(replies), next(replies)
+            unit_raw = next(replies) if conf.self_similarity else None
+            stats.bytes_read += sum(len(r) for r in rec_raw if r) + \
+                (sum(len(r) for r in unit_raw if r) if unit_raw else 0)
+            state[s] = {"pieces": pieces, "applied": applied, "agg": agg_raw, "bkt": bkt_raw,
+                        "rec": rec_raw, "unit": unit_raw}
+        return state
+
+    def _merge(self, conf: PairConf, cp, tokens: TokenMoments, state: dict, stats) -> dict:
+        """Per shard, per piece: the field/value lists of its APPLY_PIECE call."""
+        L, d = conf.L, conf.d
+        writes = {}
+        for s, st in state.items():
+            offset = 0
+            agg = (np.frombuffer(st["agg"], dtype=codec.F64).copy() if st["agg"]
+                   else np.zeros(2 + L))
+            bkt = {int(b): np.frombuffer(v, dtype=codec.F64).copy() for b, v in st["bkt"].items()}
+            calls = []
+            for p, rows in st["pieces"]:
+                span = slice(offset, offset + len(rows))
+                offset += len(rows)
+                if p in st["applied"]:
+                    stats.pieces_skipped += 1
+                    calls.append((p, None))
+                    continue
+                present, old = codec.unpack_rows(st["rec"][span], 1 + L + L * d)
+                n_old, m2_old, mean_old = codec.from_rec(old, L, d)
+                new = tokens.take(rows)
+                # Counts are per token, the same at every layer: (k, 1) broadcasts.
+                n, mean, m2, _ = chan_merge(n_old[:, None], mean_old, m2_old,
+                                            new.n[:, None], new.mean, new.m2)
+                n = n[:, 0]
+                ids = [str(int(i)) for i in new.ids.tolist()]
+                rec = codec.pack_rows(codec.rec_rows(n, m2, mean))
+                scal = codec.pack_rows(codec.scal_rows(n, mean, m2))
+                unit = []
+                if conf.self_similarity:
+                    _, unit_old = codec.unpack_rows(st["unit"][span], L * d)
+                    unit = codec.pack_rows(unit_old + new.unit_sum.reshape(len(rows), -1))
+                # Bucket deltas: each token leaves its old bucket and enters its new one.
+                touched = self._bucket_delta(bkt, present, n_old, mean_old, n, mean, L, d)
+                agg[0] += float((~present).sum())
+                agg[1] += float(new.n.sum())
+                agg[2:] += (m2 - m2_old).sum(axis=0)
+                bkt_fields = [(str(b), memoryview(bkt[b].tobytes())) for b in sorted(touched)]
+                calls.append((p, {"rec": list(zip(ids, rec)), "unit": list(zip(ids, unit)),
+                                  "scal": list(zip(ids, scal)), "bkt": bkt_fields,
+                                  "agg": agg.tobytes()}))
+            writes[s] = calls
+        return writes
+
+    @staticmethod
+    def _bucket_delta(bkt: dict, present, n_old, mean_old, n, mean, L, d) -> set:
+        """Move the tokens' contributions between count buckets, in place; returns the
+        buckets touched."""
+        touched = set()
+        b_old, b_new = bucket_index(np.maximum(n_old, 1)), bucket_index(n)
+        for sign, mask, buckets, counts, means in (
+                (-1.0, present, b_old, n_old, mean_old), (1.0, np.ones_like(present), b_new, n, mean)):
+            for b in np.unique(buckets[mask]):  # a loop over the (few) buckets, not the tokens
+                rows = mask & (buckets == b)
+                row = bkt.setdefault(int(b), np.zeros(2 + L * d))
+                row[0] += sign * rows.sum()
+                row[1] += sign * counts[rows].sum()
+                row[2:] += sign * np.einsum("k,kx->x", counts[rows], means[rows].reshape(-1, L * d))
+                touched.add(int(b))
+        return touched
+
+    def _write(self, parts, cp, fence, checked, writes, stats) -> list[int]:
+        order = []
+        with self.r.pipeline(transaction=False) as p:
+            for s, calls in writes.items():
+                keys = parts.shard(s)
+                live = [(piece, w) for piece, w in calls if w is not None]
+                if not live:
+                    p.eval("if redis.call('GET', KEYS[1]) == ARGV[1] then "
+                           "redis.call('DEL', KEYS[1]) end return 2", 1, keys.lock, fence)
+                    order.append((s, None, True))
+                    continue
+                for i, (piece, w) in enumerate(live):
+                    args = [fence, cp, piece, checked, self.max_age_ms, int(i == len(live) - 1),
+                            len(w["rec"]), len(w["unit"]), len(w["scal"]), len(w["bkt"])]
+                    for name in ("rec", "unit", "scal", "bkt"):
+                        for f, v in w[name]:
+                            args.append(f)
+                            args.append(v)
+                            stats.bytes_written += len(v)
+                    args.append(w["agg"])
+                    APPLY_PIECE.queue(p, [keys.lock, keys.applied, keys.dead, keys.rec, keys.unit,
+                                          keys.scal, keys.bkt, keys.agg], args)
+                    order.append((s, piece, i == len(live) - 1))
+            try:
+                results = p.execute()
+            except redis.ResponseError as exc:
+                raise StoreUnavailable(f"a checkpoint write was refused by Redis: {exc}") from exc
+        finished, failed = set(), set()
+        for (s, piece, last), res in zip(order, results):
+            if res == -1:
+                raise GenerationDeleted(parts.pair.pair)
+            if res in (1, 2):
+                stats.pieces += res == 1
+                if last and s not in failed:
+                    finished.add(s)
+                continue
+            failed.add(s)
+            finished.discard(s)
+            stats.lost += 1
+            if res == -2:
+                raise CheckTooOld(f"checkpoint {cp}: its in-flight check is too old")
+        # A shard with a failed piece is redone from a fresh read next round; the pieces it
+        # did apply are marked and will be skipped.
+        for s in list(writes):
+            if s not in finished and s not in failed:
+                failed.add(s)
+        return sorted(finished)
