@@ -37,6 +37,8 @@ def _worker(args) -> int:
     overrides = {"redis_url": args.redis_url}
     if args.models:
         overrides["worker_models"] = args.models
+    if args.dtype:
+        overrides["dtype"] = args.dtype
     settings = Settings(**overrides)
     if not settings.redis_url:
         print("embgeom worker needs --redis-url or EMBGEOM_REDIS_URL", file=sys.stderr)
@@ -82,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--redis-url", default=os.environ.get("EMBGEOM_REDIS_URL"))
     worker.add_argument("--models", default=None, help="comma-separated aliases to serve (default all)")
     worker.add_argument("--worker-id", default=None)
+    worker.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
+                        help="dtype of the forward pass (statistics stay float64; also EMBGEOM_DTYPE)")
     worker.add_argument("--grace", type=float, default=30.0,
                         help="seconds to finish the current job after SIGTERM before handing it back")
     worker.set_defaults(func=_worker)

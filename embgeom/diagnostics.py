@@ -49,10 +49,12 @@ __all__ = [
     "transform_points",
 ]
 
-# Eigenvalues of a positive semi-definite matrix computed in float64 come out negative by
-# at most a few eps * ||C|| * d; anything below -_PSD_RTOL * max|lam| is not roundoff but a
-# matrix that is not a covariance, which we refuse rather than silently clip.
-_PSD_RTOL = 1e-8
+# Eigenvalues of a positive semi-definite matrix come out slightly negative from roundoff:
+# a few eps * ||C|| * d in float64, and ~1e-7 * ||C|| for the streamed co-moment, whose
+# per-batch GEMM runs in float32 on batch-centred data (embgeom.compute.reduce); anything
+# below -_PSD_RTOL * max|lam| is not roundoff but a matrix that is not a covariance, which
+# we refuse rather than silently clip.
+_PSD_RTOL = 1e-6
 # A covariance accumulated in float64 is symmetric to roundoff; beyond this it is a bug.
 _SYMMETRY_RTOL = 1e-8
 # A dimension whose variance is below this fraction of the largest variance is constant

@@ -1,8 +1,14 @@
-"""What the read endpoints answer: a consistent snapshot from the store, then the math.
+"""What the read endpoints answer: plans that read the store, then the math.
 
-Each function reads once (one MULTI, see :mod:`embgeom.store`), computes with
-:mod:`embgeom.stats`, and returns plain dicts with an ``as_of`` telling how fresh the
-snapshot is.
+Each function here is a *plan* (see :mod:`embgeom.store.reader`): run it with
+``run_sync(client, plan)`` or ``await run_async(client, plan)``. It reads what it needs
+(never a mean vector unless the quantity is defined on the means), computes with
+:mod:`embgeom.stats` and :mod:`embgeom.diagnostics`, and returns plain dicts with an
+``as_of`` telling how fresh the data it read were.
+
+Token keys: with a collection keyed by ``"id"`` a key is a vocabulary id; keyed by
+``"string"`` it is the smallest vocabulary id of its canonical string, and ``token`` shows
+that string (see :mod:`embgeom.compute.positions`).
 """
 
 from __future__ import annotations
@@ -14,17 +20,19 @@ from typing import Optional, Sequence
 import numpy as np
 
 from embgeom import diagnostics
-from embgeom import keys as K
+from embgeom.compute.positions import canonical_token, lookup_key
 from embgeom.errors import InvalidInput, NotFound
-from embgeom.stats import decomposition, layer_summary
-from embgeom.store import AccumulatorStore, AsOf, LayerGlobal, LayerScalars
+from embgeom.stats import aligned_buckets, decomposition, decomposition_from_sums, layer_summary
+from embgeom.store.keys import PairKeys
+from embgeom.store.reader import PairState, Plan, Reader
 
 __all__ = [
     "CountFilter", "layer_rows", "token_page", "token_detail", "self_similarity",
-    "isotropy", "outliers", "model_outliers",
+    "isotropy", "outliers", "model_outliers", "token_string", "EMPTY_AS_OF",
 ]
 
 ORDER_FIELDS = ("n", "Q", "M", "V")
+EMPTY_AS_OF = {"version": 0, "updated_at": None, "applying": 0}
 
 
 class CountFilter:
@@ -52,10 +60,6 @@ class CountFilter:
         return {"min_count": self.min_count, "max_count": self.max_count}
 
 
-def _as_of(meta: Optional[dict]) -> dict:
-    return AsOf(meta["version"], meta["updated_at"]).to_dict() if meta else {"version": 0, "updated_at": None}
-
-
 def _none_if_nan(x) -> Optional[float]:
     if x is None:
         return None
@@ -68,53 +72,94 @@ def _empty_decomposition(layer: int) -> dict:
             "Q": None, "M": None, "V": None, "V_W": None, "V_B": None}
 
 
-def _from_global(layer: int, g: LayerGlobal, num_types: int) -> dict:
-    """O(d): Q = m2/n + ||mean||^2, V_W = within/n, V_B = V - V_W."""
-    if g.n == 0:
+def _positions(state: PairState, layers: Sequence[int]) -> list[int]:
+    """Record positions of hidden-states layers; a layer the collection does not keep is
+    ``layer_not_kept``."""
+    out = []
+    for layer in layers:
+        pos = state.conf.layer_position(layer)
+        if pos is None:
+            raise NotFound("layer_not_kept",
+                           f"layer {layer} is not among the layers this collection keeps: "
+                           f"{list(state.conf.layers)}", layer=layer, kept=list(state.conf.layers))
+        out.append(pos)
+    return out
+
+
+def token_string(tokenizer, key: int, key_mode: str) -> str:
+    token = tokenizer.convert_ids_to_tokens(int(key))
+    return canonical_token(token) if key_mode == "string" else token
+
+
+# ------------------------------------------------------------------- layers
+
+def layer_rows(reader: Reader, pair: PairKeys, layers: Optional[Sequence[int]],
+               count_filter: CountFilter, with_summary: bool = True) -> Plan:
+    """Decomposition (and the per-layer summary) of each layer.
+
+    Unfiltered: O(d) per layer from the layer heads and the shards' aggregates. A count
+    filter on bucket edges (:data:`embgeom.stats.BUCKET_EDGES`: the usual thresholds)
+    adds the buckets' vector sums and the per-token scalars (no mean vector is read);
+    any other filter scans the means of the kept types. The summary (cv_Q, slope, r2,
+    ...) is over the kept types' scalars.
+
+    ``layers=None`` is every layer the collection keeps. Returns ``(rows, as_of)``.
+    """
+    state = yield from reader.pair_state(pair)
+    if state.empty:
+        return [_empty_decomposition(l) for l in (layers or [])], state.as_of()
+    layers = list(state.conf.layers if layers is None else layers)
+    positions = _positions(state, layers)
+    rows: dict[int, dict] = {}
+    scal = None
+    if with_summary or not count_filter.is_everything:
+        scal = yield from reader.scalars(state)
+    if count_filter.is_everything:
+        heads = yield from reader.heads(state)
+        aggs = yield from reader.aggs(state)
+        for layer, pos in zip(layers, positions):
+            rows[layer] = _from_heads(layer, pos, heads, aggs)
+    else:
+        keep = count_filter.mask(scal.n)
+        buckets = aligned_buckets(count_filter.min_count, count_filter.max_count)
+        if buckets is not None:
+            sums = yield from reader.buckets(state, buckets)
+            n_k = scal.n[keep]
+            for layer, pos in zip(layers, positions):
+                dec = decomposition_from_sums(
+                    float(n_k.sum()), sums["vector"][pos], float(scal.m2[keep, pos].sum()),
+                    float(n_k @ scal.M[keep, pos]), int(keep.sum()))
+                rows[layer] = {"layer": layer, **dec}
+        else:
+            ids, n, m2, mean = yield from reader.means(state, positions, keep=count_filter.mask)
+            for i, layer in enumerate(layers):
+                rows[layer] = {"layer": layer, **decomposition(n, mean[:, i], m2[:, i])}
+    if with_summary:
+        keep = count_filter.mask(scal.n)
+        for layer, pos in zip(layers, positions):
+            M, V, Q = scal.at(pos)
+            rows[layer].update(layer_summary(scal.n[keep], Q[keep], M[keep], V[keep]))
+            q, v = rows[layer]["Q"], rows[layer]["V"]
+            for name in ("M", "V_W", "V_B"):
+                rows[layer][f"{name}/Q"] = (rows[layer][name] / q) if q else None
+            rows[layer]["V_W/V"] = (rows[layer]["V_W"] / v) if v else None
+    return [rows[l] for l in layers], state.as_of()
+
+
+def _from_heads(layer: int, pos: int, heads: dict, aggs: dict) -> dict:
+    """O(d): Q = m2/n + ||mean||^2; V_W = sum_t m2_t / n; V_B = V - V_W."""
+    n = heads["n"]
+    if n == 0:
         return _empty_decomposition(layer)
-    M = float(g.mean @ g.mean)
-    V = g.m2 / g.n
-    V_W = g.within / g.n
-    return {"layer": layer, "n": g.n, "num_types": num_types,
+    mean = heads["mean"][pos]
+    M = float(mean @ mean)
+    V = float(heads["m2"][pos]) / n
+    V_W = float(aggs["within"][pos]) / n
+    return {"layer": layer, "n": int(n), "num_types": aggs["types"],
             "Q": M + V, "M": M, "V": V, "V_W": V_W, "V_B": V - V_W}
 
 
-def layer_rows(store: AccumulatorStore, pair: K.PairKeys, layers: Sequence[int],
-               count_filter: CountFilter, with_summary: bool = True) -> tuple[list[dict], dict]:
-    """Decomposition (and the per-layer summary) of each layer.
-
-    Unfiltered decompositions cost O(d) per layer (maintained aggregates); a count
-    filter scans the token types. The summary (cv_Q, slope, r2, ...) always scans the
-    per-token scalars of the filtered types.
-    """
-    layers = list(layers)
-    rows: dict[int, dict] = {}
-    if count_filter.is_everything:
-        # One snapshot for the decomposition and the summary.
-        meta, globs, types, scalars = store.globals(pair, layers, with_scalars=with_summary)
-        rows = {l: _from_global(l, globs[l], types[l]) for l in layers}
-    else:
-        meta, means = store.token_means(pair, layers)
-        scalars = {}
-        for l in layers:
-            ids, n, m2, mean = means[l]
-            scalars[l] = LayerScalars(ids=ids, n=n, M=np.einsum("ki,ki->k", mean, mean), m2=m2)
-            keep = count_filter.mask(n)
-            rows[l] = {"layer": l, **decomposition(n[keep], mean[keep], m2[keep])}
-    if with_summary:
-        for l in layers:
-            s = scalars[l]
-            keep = count_filter.mask(s.n)
-            rows[l].update(layer_summary(s.n[keep], s.Q[keep], s.M[keep], s.V[keep]))
-            q = rows[l]["Q"]
-            for name in ("M", "V_W", "V_B"):
-                rows[l][f"{name}/Q"] = (rows[l][name] / q) if q else None
-            v = rows[l]["V"]
-            rows[l]["V_W/V"] = (rows[l]["V_W"] / v) if v else None
-    return [rows[l] for l in layers], _as_of(meta)
-
-
-# ------------------------------------------------------------------ tokens
+# ------------------------------------------------------------------- tokens
 
 def _encode_cursor(payload: dict) -> str:
     return base64.urlsafe_b64encode(json.dumps(payload).encode()).decode().rstrip("=")
@@ -132,7 +177,7 @@ def _decode_cursor(cursor: str) -> tuple[float, int]:
         if not np.isfinite(value):
             raise ValueError
         return value, token_id
-    except (ValueError, TypeError, KeyError, OverflowError):
+    except (ValueError, TypeError, KeyError, OverflowError, UnicodeError):
         raise InvalidInput("cursor is not one this service issued", type="invalid_cursor") from None
 
 
@@ -143,25 +188,37 @@ def self_similarity(unit_sum: Optional[np.ndarray], n: int) -> Optional[float]:
     return _none_if_nan(diagnostics.self_similarity(unit_sum[None, :], np.array([n]))[0])
 
 
-def token_page(store: AccumulatorStore, pair: K.PairKeys, layer: int, tokenizer,
+def token_page(reader: Reader, pair: PairKeys, layer: int, tokenizer,
                order_by: str = "n", desc: bool = True, limit: int = 100,
                cursor: Optional[str] = None, count_filter: Optional[CountFilter] = None,
-               token_id: Optional[int] = None) -> dict:
+               token: Optional[str] = None) -> Plan:
     """One page of per-token stats, ordered by ``order_by`` then token id (keyset cursor).
 
-    The cursor holds the last (value, id) served, so pages stay disjoint even while
-    new commits land between requests.
+    The cursor holds the last (value, id) served, so pages stay disjoint even while new
+    checkpoints land between requests. ``token`` selects one vocabulary string (under the
+    collection's key: with string keys ``##ing`` and ``ing`` are one token); a string not
+    in the vocabulary is ``token_not_in_vocabulary``.
     """
     if order_by not in ORDER_FIELDS:
         raise InvalidInput(f"order_by must be one of {', '.join(ORDER_FIELDS)}", type="invalid_order")
     count_filter = count_filter or CountFilter()
-    meta, scalars = store.scalars(pair, [layer])
-    s = scalars[layer]
-    keep = count_filter.mask(s.n)
+    state = yield from reader.pair_state(pair)
+    if state.empty:
+        return {"layer": layer, "tokens": [], "next_cursor": None, "total": 0, "as_of": state.as_of()}
+    (pos,) = _positions(state, [layer])
+    token_id = None
+    if token is not None:
+        token_id = lookup_key(tokenizer, token, state.conf.key)
+        if token_id is None:
+            raise NotFound("token_not_in_vocabulary", f"{token!r} is not in the model's vocabulary",
+                           token=token)
+    scal = yield from reader.scalars(state)
+    M, V, Q = scal.at(pos)
+    keep = count_filter.mask(scal.n)
     if token_id is not None:
-        keep &= s.ids == token_id
-    ids = s.ids[keep]
-    values = {"n": s.n[keep], "Q": s.Q[keep], "M": s.M[keep], "V": s.V[keep]}
+        keep &= scal.ids == token_id
+    ids = scal.ids[keep]
+    values = {"n": scal.n[keep], "Q": Q[keep], "M": M[keep], "V": V[keep]}
     key = values[order_by]
     sign = -1.0 if desc else 1.0
     order = np.lexsort((ids, sign * key))
@@ -173,39 +230,40 @@ def token_page(store: AccumulatorStore, pair: K.PairKeys, layer: int, tokenizer,
         order = order[after]
     page = order[:limit]
     page_ids = ids[page]
-    _, records = store.token_records(pair, layer, page_ids.tolist())
-    strings = tokenizer.convert_ids_to_tokens(page_ids.tolist()) if len(page_ids) else []
+    units = yield from reader.units(state, page_ids.tolist(), pos)
     tokens = []
     for j, i in enumerate(page):
-        rec = records[j]
         n = int(values["n"][i])
         tokens.append({
-            "token_id": int(ids[i]), "token": strings[j], "n": n,
+            "token_id": int(ids[i]), "token": token_string(tokenizer, ids[i], state.conf.key), "n": n,
             "Q": float(values["Q"][i]), "M": float(values["M"][i]), "V": float(values["V"][i]),
-            "self_similarity": self_similarity(rec[3] if rec else None, n),
+            "self_similarity": self_similarity(units[j], n),
         })
     next_cursor = None
     if len(order) > limit and len(page):
         last = page[-1]
         next_cursor = _encode_cursor({"v": float(key[last]), "id": int(ids[last])})
     return {"layer": layer, "tokens": tokens, "next_cursor": next_cursor,
-            "total": int(keep.sum()), "as_of": _as_of(meta)}
+            "total": int(keep.sum()), "as_of": state.as_of()}
 
 
-def token_detail(store: AccumulatorStore, pair: K.PairKeys, layer: int, token_id: int, tokenizer) -> dict:
-    meta, records = store.token_records(pair, layer, [token_id])
-    rec = records[0] if records else None
+def token_detail(reader: Reader, pair: PairKeys, layer: int, token_id: int, tokenizer) -> Plan:
+    state = yield from reader.pair_state(pair)
+    rec = None
+    if not state.empty:
+        (pos,) = _positions(state, [layer])
+        rec = yield from reader.token(state, token_id)
     if rec is None:
         raise NotFound("token_not_found",
                        f"token {token_id} was never seen at layer {layer} of this collection",
                        token_id=token_id)
-    n, m2, mean, unit = rec
-    M = float(mean @ mean)
-    V = m2 / n
+    n, M, m2, unit = rec
+    V = float(m2[pos]) / n
     return {"layer": layer, "token_id": int(token_id),
-            "token": tokenizer.convert_ids_to_tokens(int(token_id)),
-            "n": n, "Q": M + V, "M": M, "V": V,
-            "self_similarity": self_similarity(unit, n), "as_of": _as_of(meta)}
+            "token": token_string(tokenizer, token_id, state.conf.key),
+            "n": n, "Q": float(M[pos]) + V, "M": float(M[pos]), "V": V,
+            "self_similarity": self_similarity(None if unit is None else unit[pos], n),
+            "as_of": state.as_of()}
 
 
 # --------------------------------------------------------------- isotropy
@@ -217,19 +275,28 @@ def _transform(spec: Optional[str]):
         raise InvalidInput(str(exc), type="invalid_transform") from None
 
 
-def _layer_moments(store: AccumulatorStore, pair: K.PairKeys, layer: int, t, with_means: bool = False):
-    """``(meta, (global, cov, transformed cov, unit_sum, unit_sq_sum[, token means]))``
-    from one snapshot; None when the layer is empty."""
-    meta, state = store.covariance_state(pair, [layer], with_means=with_means)
-    if meta is None or state[layer][0].n == 0:
-        return meta, None
-    g, comoment, unit_sum, unit_sq = state[layer][:4]
-    cov = comoment / g.n
+def _layer_moments(reader: Reader, pair: PairKeys, layer: int, t) -> Plan:
+    """``(state, moments)`` with moments = (cov dict, cov, transformed cov), or None when
+    the layer is empty."""
+    state = yield from reader.pair_state(pair)
+    if state.empty:
+        return state, None
+    (pos,) = _positions(state, [layer])
+    cov = yield from reader.covariance(state, pos)
+    if cov["n"] == 0:
+        return state, None
+    C = cov["comoment"] / cov["n"]
     try:
-        cov_t = diagnostics.transform_covariance(cov, t, mean=g.mean)
+        C_t = diagnostics.transform_covariance(C, t, mean=cov["mean"])
     except ValueError as exc:
         raise InvalidInput(str(exc), type="invalid_transform") from None
-    return meta, (g, cov, cov_t, unit_sum, unit_sq) + tuple(state[layer][4:])
+    return state, (cov, C, C_t, pos)
+
+
+def covariance(reader: Reader, pair: PairKeys, layer: int) -> Plan:
+    """The layer's population covariance (d, d) over everything ingested, or None."""
+    state, moments = yield from _layer_moments(reader, pair, layer, _transform(None))
+    return None if moments is None else moments[1]
 
 
 UNAVAILABLE_UNDER_TRANSFORM = (
@@ -237,27 +304,28 @@ UNAVAILABLE_UNDER_TRANSFORM = (
 )
 
 
-def isotropy(store: AccumulatorStore, pair: K.PairKeys, layer: int, transform: Optional[str] = None,
-             spectrum: bool = False, partition: bool = True, min_count: int = 1) -> dict:
+def isotropy(reader: Reader, pair: PairKeys, layer: int, transform: Optional[str] = None,
+             spectrum: bool = False, partition: bool = True, min_count: int = 1) -> Plan:
     """Isotropy of all embeddings of a layer, exact from the streamed covariance.
 
     IsoScore, effective rank, participation ratio and top eigenvalue ratio come from the
     eigenvalues of the (transformed) covariance ``C / n``; ``mean_cosine`` from the unit
     vector sum, only without a transform; the partition isotropy I(W) (Mu & Viswanath)
-    from the matrix of per-token means with ``n_t >= min_count``, transformed alike.
+    from the matrix of per-token means with ``n_t >= min_count``, transformed alike (a
+    scan of the means).
     """
     t = _transform(transform)
-    meta, moments = _layer_moments(store, pair, layer, t, with_means=partition)
+    state, moments = yield from _layer_moments(reader, pair, layer, t)
     out = {"layer": layer, "transform": transform or "none", "n": 0, "isoscore": None,
            "mean_cosine": None, "effective_rank": None, "participation_ratio": None,
            "top_eigenvalue_ratio": None, "partition_isotropy": None, "eigenvalues": None,
-           "unavailable": {}, "as_of": _as_of(meta)}
+           "unavailable": {}, "as_of": state.as_of()}
     if moments is None:
         return out
-    g, cov, cov_t, unit_sum, unit_sq = moments[:5]
-    lam = diagnostics.covariance_eigenvalues(cov_t)
+    cov, C, C_t, pos = moments
+    lam = diagnostics.covariance_eigenvalues(C_t)
     out.update({
-        "n": g.n,
+        "n": cov["n"],
         "isoscore": _none_if_nan(diagnostics.isoscore_from_eigenvalues(lam)),
         "effective_rank": _none_if_nan(diagnostics.effective_rank(lam)),
         "participation_ratio": _none_if_nan(diagnostics.participation_ratio(lam)),
@@ -266,23 +334,22 @@ def isotropy(store: AccumulatorStore, pair: K.PairKeys, layer: int, transform: O
     if spectrum:
         out["eigenvalues"] = lam.tolist()
     if t.kind == "none":
-        out["mean_cosine"] = _none_if_nan(diagnostics.mean_cosine(unit_sum, g.n))
+        out["mean_cosine"] = _none_if_nan(diagnostics.mean_cosine(cov["unit_sum"], cov["n"]))
     else:
         out["unavailable"]["mean_cosine"] = UNAVAILABLE_UNDER_TRANSFORM
     if partition:
-        ids, n_t, _, mean_t = moments[5]
-        keep = n_t >= min_count
-        if keep.sum() >= 1:
-            W = diagnostics.transform_points(mean_t[keep], g.mean, cov, t)
+        _, n_t, _, mean_t = yield from reader.means(state, [pos], keep=lambda n: n >= min_count)
+        if n_t.shape[0] >= 1:
+            W = diagnostics.transform_points(mean_t[:, 0], cov["mean"], C, t)
             log_iw = diagnostics.log_partition_isotropy(W)
             out["partition_isotropy"] = _none_if_nan(np.exp(log_iw))
             out["partition_isotropy_log10"] = _none_if_nan(log_iw / np.log(10))
-            out["partition_types"] = int(keep.sum())
+            out["partition_types"] = int(n_t.shape[0])
     return out
 
 
-def outliers(store: AccumulatorStore, pair: K.PairKeys, layer: int, threshold: float = 5.0,
-             transform: Optional[str] = None, top: int = 10) -> dict:
+def outliers(reader: Reader, pair: PairKeys, layer: int, threshold: float = 5.0,
+             transform: Optional[str] = None, top: int = 10) -> Plan:
     """Outlier dimensions (variance >= threshold x mean variance) and rogue dimensions.
 
     ``rogue`` lists the ``top`` dimensions by their exact share ``CC_i`` of the mean
@@ -290,20 +357,20 @@ def outliers(store: AccumulatorStore, pair: K.PairKeys, layer: int, threshold: f
     transform (a transformed cosine is not a function of the moments).
     """
     t = _transform(transform)
-    if not threshold > 0:
-        raise InvalidInput("threshold must be > 0", type="invalid_threshold")
-    meta, moments = _layer_moments(store, pair, layer, t)
+    if not (threshold > 0 and np.isfinite(threshold)):
+        raise InvalidInput("threshold must be a finite number > 0", type="invalid_threshold")
+    state, moments = yield from _layer_moments(reader, pair, layer, t)
     out = {"layer": layer, "threshold": threshold, "transform": transform or "none", "n": 0,
            "dimensions": [], "rogue": None, "mean_cosine": None, "unavailable": {},
-           "as_of": _as_of(meta)}
+           "as_of": state.as_of()}
     if moments is None:
         return out
-    g, cov, cov_t, unit_sum, unit_sq = moments[:5]
-    mean_t = np.zeros_like(g.mean) if t.kind != "none" else g.mean
-    out["n"] = g.n
-    out["dimensions"] = diagnostics.outlier_dimensions(np.diag(cov_t), mean_t, threshold)
+    cov, C, C_t, _ = moments
+    mean_t = np.zeros_like(cov["mean"]) if t.kind != "none" else cov["mean"]
+    out["n"] = cov["n"]
+    out["dimensions"] = diagnostics.outlier_dimensions(np.diag(C_t), mean_t, threshold)
     if t.kind == "none":
-        cc = diagnostics.rogue_contributions(unit_sum, unit_sq, g.n)
+        cc = diagnostics.rogue_contributions(cov["unit_sum"], cov["unit_sq_sum"], cov["n"])
         total = float(np.sum(cc))
         order = np.argsort(-cc, kind="stable")[:top]
         out["mean_cosine"] = _none_if_nan(total)
@@ -314,10 +381,14 @@ def outliers(store: AccumulatorStore, pair: K.PairKeys, layer: int, threshold: f
     return out
 
 
-def model_outliers(store: AccumulatorStore, pair: K.PairKeys, num_layers: int,
-                   threshold: float = 5.0, transform: Optional[str] = None) -> dict:
-    """Outlier dimensions of every layer, and which dimensions persist across layers."""
-    rows = [outliers(store, pair, l, threshold, transform, top=5) for l in range(num_layers)]
+def model_outliers(reader: Reader, pair: PairKeys, threshold: float = 5.0,
+                   transform: Optional[str] = None) -> Plan:
+    """Outlier dimensions of every kept layer, and which dimensions persist across them."""
+    state = yield from reader.pair_state(pair)
+    layers = list(state.conf.layers) if not state.empty else []
+    rows = []
+    for layer in layers:
+        rows.append((yield from outliers(reader, pair, layer, threshold, transform, top=5)))
     where: dict[int, list[int]] = {}
     for row in rows:
         for dim in row["dimensions"]:
@@ -326,4 +397,4 @@ def model_outliers(store: AccumulatorStore, pair: K.PairKeys, num_layers: int,
                         key=lambda x: (-x["num_layers"], x["dim"]))
     return {"threshold": threshold, "transform": transform or "none",
             "layers": [{"layer": r["layer"], "n": r["n"], "dimensions": r["dimensions"]} for r in rows],
-            "persistent": persistent, "as_of": rows[-1]["as_of"] if rows else None}
+            "persistent": persistent, "as_of": rows[-1]["as_of"] if rows else state.as_of()}

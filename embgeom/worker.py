@@ -47,6 +47,7 @@ from embgeom.store.collections import Collections
 from embgeom.store.conf import PairConf
 from embgeom.store.connection import redis_client
 from embgeom.store.jobs import Delivery, JobQueue
+from embgeom.store.reader import Reader, run_sync
 from embgeom.store.shards import piece_tokens_for
 
 log = logging.getLogger(__name__)
@@ -561,12 +562,4 @@ class Worker:
 
 def live_workers(client: redis.Redis, silence_seconds: float) -> list[dict]:
     """Workers whose heartbeat is younger than ``silence_seconds``."""
-    ids = client.zrangebyscore(K.WORKERS, time.time() - silence_seconds, "+inf")
-    if not ids:
-        return []
-    # One GET each, pipelined (an MGET of keys in several slots fails on a cluster).
-    with client.pipeline(transaction=False) as p:
-        for i in ids:
-            p.get(K.worker(i.decode()))
-        raws = p.execute()
-    return [json.loads(raw) for raw in raws if raw]
+    return run_sync(client, Reader().live_workers(silence_seconds))

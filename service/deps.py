@@ -1,21 +1,28 @@
-"""Dependencies, declared once and reused by every route."""
+"""Dependencies, declared once and reused by every route.
+
+They are ``async``: none of them blocks (names are checked in memory, model infos are
+cached after their first load), and an async dependency costs no trip through the thread
+pool on the hot read paths.
+"""
 
 from __future__ import annotations
 
+import hmac
 from typing import Annotated, Optional
 
 from fastapi import Depends, Path, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from embgeom import keys as K
+from embgeom.compute.models import ModelInfo
 from embgeom.errors import EmbgeomError, InvalidInput, NotFound
-from embgeom.models import ModelInfo
+from embgeom.store import keys as K
+from embgeom.store.keys import PairKeys
 from service.runtime import Runtime
 
 NAME_DOC = "Matches ^[A-Za-z0-9_.-]{1,64}$"
 
 
-def get_runtime(request: Request) -> Runtime:
+async def get_runtime(request: Request) -> Runtime:
     return request.app.state.runtime
 
 
@@ -28,15 +35,16 @@ class Unauthorized(EmbgeomError):
     type = "unauthorized"
 
 
-def require_api_key(rt: RuntimeDep,
-                    credentials: Annotated[Optional[HTTPAuthorizationCredentials], Depends(_bearer)]) -> None:
+async def require_api_key(rt: RuntimeDep,
+                          credentials: Annotated[Optional[HTTPAuthorizationCredentials], Depends(_bearer)]) -> None:
     """When ``EMBGEOM_API_KEY`` is set, every /v1 route needs ``Authorization: Bearer <key>``."""
     expected = rt.settings.api_key
-    if expected and (credentials is None or credentials.credentials != expected):
+    if expected and (credentials is None
+                     or not hmac.compare_digest(credentials.credentials.encode(), expected.encode())):
         raise Unauthorized("missing or wrong bearer token")
 
 
-def valid_collection(collection: Annotated[str, Path(description=NAME_DOC)]) -> str:
+async def valid_collection(collection: Annotated[str, Path(description=NAME_DOC)]) -> str:
     if not K.valid_name(collection):
         raise InvalidInput(f"collection name {collection!r} does not match {K.NAME_PATTERN}",
                            type="invalid_collection_name")
@@ -46,7 +54,7 @@ def valid_collection(collection: Annotated[str, Path(description=NAME_DOC)]) -> 
 CollectionDep = Annotated[str, Depends(valid_collection)]
 
 
-def model_info(rt: RuntimeDep, model: Annotated[str, Path(description="Model alias")]) -> ModelInfo:
+async def model_info(rt: RuntimeDep, model: Annotated[str, Path(description="Model alias")]) -> ModelInfo:
     rt.registry.source(model)  # UnknownModel -> 404
     return rt.registry.info(model)
 
@@ -54,23 +62,16 @@ def model_info(rt: RuntimeDep, model: Annotated[str, Path(description="Model ali
 ModelDep = Annotated[ModelInfo, Depends(model_info)]
 
 
-def existing_pair(rt: RuntimeDep, collection: CollectionDep, model: ModelDep) -> K.PairKeys:
-    """The (collection, model) pair; 404 when the collection was never created."""
-    pairs = {p.decode() for p in rt.redis.smembers(K.PAIRS)}
-    if not any(K.split_pair(p)[0] == collection for p in pairs):
-        raise NotFound("collection_not_found", f"no collection {collection!r}", collection=collection)
-    pair = K.PairKeys(collection, model.name)
-    if pair.pair not in pairs:
-        raise NotFound("model_not_in_collection",
-                       f"no text was ever sent to collection {collection!r} for model {model.name!r}",
-                       collection=collection, model=model.name)
-    return pair
+async def model_pair(collection: CollectionDep, model: ModelDep) -> PairKeys:
+    """The (collection, model) pair named by the path; whether it holds data is checked
+    by the read itself (one round trip)."""
+    return PairKeys(collection, model.name)
 
 
-PairDep = Annotated[K.PairKeys, Depends(existing_pair)]
+PairDep = Annotated[PairKeys, Depends(model_pair)]
 
 
-def valid_layer(model: ModelDep, layer: Annotated[int, Path(description="0 = embedding output, 1..L blocks")]) -> int:
+async def valid_layer(model: ModelDep, layer: Annotated[int, Path(description="0 = embedding output, 1..L blocks")]) -> int:
     if not 0 <= layer <= model.num_layers:
         raise NotFound("layer_not_found",
                        f"layer {layer} is out of range for {model.name}: 0..{model.num_layers}",

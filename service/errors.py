@@ -5,6 +5,9 @@
 
 from __future__ import annotations
 
+import logging
+import uuid
+
 import redis
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -12,11 +15,12 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from embgeom.errors import (
-    EmbgeomError, InvalidInput, ModelLoadError, NotFound, Overloaded, StoreUnavailable,
+    Conflict, EmbgeomError, InvalidInput, ModelLoadError, NotFound, Overloaded, StoreUnavailable,
     UnknownModel,
 )
 
 STATUS = {
+    Conflict: 409,
     InvalidInput: 422,
     UnknownModel: 404,
     NotFound: 404,
@@ -29,7 +33,11 @@ STATUS = {
 STATUS_BY_TYPE = {
     "payload_too_large": 413,
     "unknown_model": 404,
+    "unauthorized": 401,
 }
+
+
+log = logging.getLogger(__name__)
 
 
 def error_body(type_: str, message: str, detail=None) -> dict:
@@ -49,6 +57,8 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(EmbgeomError)
     async def _embgeom(request: Request, exc: EmbgeomError):
         headers = {"Retry-After": "1"} if isinstance(exc, Overloaded) else None
+        if exc.type == "unauthorized":
+            headers = {"WWW-Authenticate": 'Bearer realm="embgeom"'}
         return JSONResponse(error_body(exc.type, exc.message, exc.detail), status_code=status_of(exc),
                             headers=headers)
 
@@ -68,7 +78,18 @@ def install(app: FastAPI) -> None:
         type_ = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         return JSONResponse(error_body(type_, str(exc.detail)), status_code=exc.status_code)
 
-    @app.exception_handler(redis.ConnectionError)
-    async def _redis_down(request: Request, exc: redis.ConnectionError):
-        return JSONResponse(error_body("store_unavailable", f"Redis is unreachable: {exc}"),
-                            status_code=503)
+    @app.exception_handler(redis.RedisError)
+    async def _redis_down(request: Request, exc: redis.RedisError):
+        # Unreachable, timed out, loading its AOF, or refusing writes: the store cannot
+        # answer now; retrying later can succeed.
+        return JSONResponse(error_body("store_unavailable", f"Redis cannot answer: {exc}"),
+                            status_code=503, headers={"Retry-After": "1"})
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        request_id = uuid.uuid4().hex
+        log.error("unexpected error (request %s) on %s %s", request_id, request.method,
+                  request.url.path, exc_info=exc)
+        return JSONResponse(error_body("internal_error", "unexpected server error; the server log "
+                                       "has the details under this request id",
+                                       {"request_id": request_id}), status_code=500)

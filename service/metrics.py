@@ -23,19 +23,39 @@ class Metrics:
                              registry=self.registry)
 
 
+class _Measure:
+    """Pure ASGI middleware (no per-request task or body buffering, unlike
+    ``BaseHTTPMiddleware``): counts and times each request by its route template."""
+
+    def __init__(self, app, metrics: Metrics):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start = time.perf_counter()
+        status = {"code": 500}
+
+        async def send_wrapper(message):
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            route = scope.get("route")
+            path = getattr(route, "path", "unmatched")
+            method = scope.get("method", "")
+            self.metrics.requests.labels(method, path, str(status["code"])).inc()
+            self.metrics.latency.labels(method, path).observe(time.perf_counter() - start)
+
+
 def install(app) -> None:
     metrics = Metrics()
     app.state.metrics = metrics
-
-    @app.middleware("http")
-    async def _measure(request: Request, call_next):
-        start = time.perf_counter()
-        response = await call_next(request)
-        route = request.scope.get("route")
-        path = getattr(route, "path", "unmatched")
-        metrics.requests.labels(request.method, path, str(response.status_code)).inc()
-        metrics.latency.labels(request.method, path).observe(time.perf_counter() - start)
-        return response
+    app.add_middleware(_Measure, metrics=metrics)
 
 
 @router.get("/metrics", include_in_schema=True, response_class=Response)

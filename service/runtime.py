@@ -1,37 +1,59 @@
-"""What the app holds while it runs: Redis, the model registry, the queue and store, and
-(in embedded mode) the Redis server process and in-process workers. Opened and closed by
-the app's lifespan; routes get them through ``service.deps``.
+"""What the app holds while it runs: Redis clients, the model registry, the queue, the
+collections and the reader, and in embedded mode the Redis server process and the worker
+processes. Opened and closed by the app's lifespan; routes get them through
+``service.deps``.
+
+In embedded mode the workers are separate ``embgeom worker`` processes, as in
+production: a worker's forward passes and merges never hold this process's interpreter,
+so reads stay fast while ingestion runs.
 """
 
 from __future__ import annotations
 
+import json
 import logging
-import threading
+import os
+import signal
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from typing import Optional
 
 import redis
 
-from embgeom.models import ModelPool, ModelRegistry
-from embgeom.queue import JobQueue
-from embgeom.redis_server import RedisServer
+from embgeom.compute.models import ModelPool, ModelRegistry
 from embgeom.settings import Settings
-from embgeom.store import AccumulatorStore
-from embgeom.worker import Worker, live_workers, redis_client
+from embgeom.store.collections import Collections
+from embgeom.store.connection import async_redis_client, redis_client
+from embgeom.store.jobs import JobQueue
+from embgeom.store.reader import Reader
+from embgeom.store.server import RedisServer
+from embgeom.worker import live_workers
 
 log = logging.getLogger(__name__)
+
+
+def settings_environment(settings: Settings) -> dict[str, str]:
+    """``EMBGEOM_*`` variables that reproduce ``settings`` in a child process."""
+    env = {}
+    for name, value in settings.model_dump(mode="json").items():
+        if value is None:
+            continue
+        env[f"EMBGEOM_{name.upper()}"] = value if isinstance(value, str) else json.dumps(value)
+    return env
 
 
 @dataclass
 class Runtime:
     settings: Settings
     redis: redis.Redis
+    aredis: object
     registry: ModelRegistry
     queue: JobQueue
-    store: AccumulatorStore
+    collections: Collections
+    reader: Reader
     server: Optional[RedisServer] = None
-    workers: list[Worker] = field(default_factory=list)
-    threads: list[threading.Thread] = field(default_factory=list)
+    workers: list = field(default_factory=list)   # embedded worker processes
     _sync_pool: Optional[ModelPool] = None
 
     @property
@@ -46,10 +68,7 @@ class Runtime:
     def sync_pool(self) -> ModelPool:
         """Models for synchronous requests (probe, isotropy sample), loaded on demand."""
         if self._sync_pool is None:
-            if self.workers:  # embedded: share the worker's models
-                self._sync_pool = self.workers[0].pool
-            else:
-                self._sync_pool = ModelPool.from_settings(self.registry, self.settings)
+            self._sync_pool = ModelPool.from_settings(self.registry, self.settings)
         return self._sync_pool
 
     @classmethod
@@ -63,26 +82,28 @@ class Runtime:
         client = redis_client(url)
         registry = ModelRegistry.from_settings(settings)
         rt = cls(
-            settings=settings, redis=client, registry=registry,
+            settings=settings, redis=client, aredis=async_redis_client(url), registry=registry,
             queue=JobQueue(client, settings.max_attempts, settings.max_pending_jobs,
                            settings.idempotency_ttl_seconds),
-            store=AccumulatorStore(client), server=server,
+            collections=Collections(client), reader=Reader(), server=server,
         )
         if server is not None:
+            env = {**os.environ, **settings_environment(settings), "EMBGEOM_REDIS_URL": url}
             for i in range(settings.embedded_workers):
-                pool = rt.workers[0].pool if rt.workers else None
-                worker = Worker(redis_client(url), settings, registry, pool=pool)
-                thread = threading.Thread(target=worker.run, name=f"worker-{i}", daemon=True)
-                rt.workers.append(worker)
-                rt.threads.append(thread)
-                thread.start()
+                rt.workers.append(subprocess.Popen(
+                    [sys.executable, "-m", "embgeom.cli", "worker", "--redis-url", url],
+                    env=env, start_new_session=True))
         return rt
 
     def close(self) -> None:
-        for worker in self.workers:
-            worker.request_stop(grace_seconds=10)
-        for thread in self.threads:
-            thread.join(timeout=30)
+        for proc in self.workers:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.workers:
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
         self.redis.close()
         if self.server is not None:
             self.server.stop()

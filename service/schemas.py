@@ -6,7 +6,7 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from embgeom import keys as K
+from embgeom.store import keys as K
 
 
 class ErrorBody(BaseModel):
@@ -16,8 +16,10 @@ class ErrorBody(BaseModel):
 
 
 class AsOf(BaseModel):
-    version: int = Field(description="Commit sequence number of the snapshot read")
-    updated_at: Optional[float] = Field(description="Unix time of that commit")
+    version: int = Field(description="Checkpoints completed when the data were read")
+    updated_at: Optional[float] = Field(description="Unix time of the last one")
+    applying: int = Field(0, description="Checkpoints being applied while the data were read: "
+                                         "parts read may or may not hold them yet")
 
 
 class Health(BaseModel):
@@ -50,8 +52,10 @@ class JobCreate(BaseModel):
     collection: str = Field("default", pattern=K.NAME_PATTERN)
     model: str = Field("minilm", pattern=K.NAME_PATTERN)
     texts: list[str] = Field(min_length=1)
-    include_special: bool = Field(
-        False, description="Also count the special tokens the tokenizer adds ([CLS], [SEP], BOS, ...)")
+    include_special: Optional[bool] = Field(
+        None, description="Also count the special tokens the tokenizer adds ([CLS], [SEP], BOS, ...). "
+                          "A collection's setting: it creates a new collection with it, and must "
+                          "agree with an existing one's (409 collection_settings_conflict)")
 
     @field_validator("texts")
     @classmethod
@@ -83,7 +87,6 @@ class JobStatus(BaseModel):
     error: Optional[str]
     attempts: int
     worker: Optional[str]
-    include_special: bool
     created_at: float
     started_at: Optional[float]
     finished_at: Optional[float]
@@ -92,6 +95,39 @@ class JobStatus(BaseModel):
 class CollectionOut(BaseModel):
     name: str
     models: list[str]
+
+
+class CollectionSettingsIn(BaseModel):
+    """Either a preset, or explicit settings (unset fields take the defaults)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    preset: Optional[Literal["paper"]] = Field(
+        None, description="paper: key by token string with subword markers stripped, special "
+                          "tokens counted (Yamagiwa & Shimodaira's released code)")
+    key: Literal["id", "string"] = "id"
+    unit: Literal["token", "word"] = "token"
+    include_special: bool = False
+    layers: Optional[list[int]] = Field(
+        None, description="hidden_states indices to keep (0 = embedding output); null keeps all")
+    self_similarity: bool = Field(
+        True, description="Keep per-token unit-vector sums (half of the per-token bytes)")
+
+
+class CollectionSettingsOut(BaseModel):
+    key: str
+    unit: str
+    include_special: bool
+    layers: Optional[list[int]]
+    self_similarity: bool
+    preset: Optional[str]
+
+
+class CollectionInfo(BaseModel):
+    name: str
+    settings: Optional[CollectionSettingsOut]
+    models: list[str]
+    created: Optional[bool] = None
 
 
 class Deleted(BaseModel):

@@ -20,7 +20,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from embgeom.redis_server import RedisServer, free_port  # noqa: E402
+from embgeom.store.server import RedisServer, free_port  # noqa: E402
 from embgeom.settings import Settings  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent

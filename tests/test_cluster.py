@@ -24,10 +24,10 @@ import pytest
 import redis
 from redis.cluster import RedisCluster
 
-from embgeom import keys as K
-from embgeom.models import ModelRegistry
-from embgeom.queue import JobQueue
-from embgeom.redis_server import RedisServer, redis_server_binary
+from embgeom.store import keys as K
+from embgeom.compute.models import ModelRegistry
+from embgeom.store.jobs import JobQueue
+from embgeom.store.server import RedisServer, redis_server_binary
 from tests.conftest import wait_for_jobs
 from tests.test_scale_out import (
     MODEL, NUM_LAYERS, PARAGRAPHS, Fleet, _rel, api, api_settings, expected_counts, post_job,

@@ -67,7 +67,7 @@ from sklearn.preprocessing import StandardScaler
 from threadpoolctl import threadpool_limits
 
 from embgeom import corpora, diagnostics
-from embgeom.redis_server import RedisServer
+from embgeom.store.server import RedisServer
 from service.app import create_app
 from tests.conftest import WorkerThread, wait_for_jobs
 from tests.conftest import test_settings as make_settings

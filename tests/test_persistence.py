@@ -27,7 +27,7 @@ import httpx
 import pytest
 
 from embgeom.corpora import bbc_texts
-from embgeom.redis_server import free_port
+from embgeom.store.server import free_port
 from tests.conftest import ServiceProcess, wait_for_jobs, wait_ready
 
 pytestmark = pytest.mark.slow

@@ -1,34 +1,34 @@
-"""Unit tests for :mod:`embgeom.positions` (windows, counted positions, token-budget
-batches) and :func:`embgeom.reduce.reduce_batch` (per-batch moments on the device).
+"""Unit tests for :mod:`embgeom.compute.positions`: windows, counted positions, keys,
+token-budget batches and padding.
 
-The tokenizer is the real packaged all-MiniLM-L6-v2 one (BERT WordPiece, [CLS]/[SEP]).
-``reduce_batch`` is checked against a plain numpy two-pass float64 computation over the
-counted positions only.
-
-Tolerances
-----------
-``reduce_batch`` works in float64 from float32 inputs, and the reference does the same
-arithmetic in float64 with a different summation order. Each result is a sum of at most
-a few hundred terms, so the rounding difference is ~1e-14 of the scale of the summed
-quantities (||x||^2 for m2/comoment, ||x|| for means, 1 for unit vectors). We allow 1e-10
-of that scale: six orders of magnitude of headroom, while any algebraic error (a padded
-row counted, a wrong count, a missing term) is O(1) relative and fails loudly.
-Counts and ids are integers and compared exactly.
+The tokenizer is the real packaged all-MiniLM-L6-v2 one (BERT WordPiece, [CLS]/[SEP]);
+every expectation is derived from the tokenizer called directly on each text, never from
+the module under test.
 """
 
 from __future__ import annotations
 
-import itertools
+from collections import namedtuple
 
 import numpy as np
 import pytest
-import torch
 
-from embgeom.positions import Window, batches_by_token_budget, encode_windows
-from embgeom.reduce import reduce_batch
-from embgeom.stats import LayerMoments, TokenAccumulator
+from embgeom.compute.positions import (
+    batches_by_token_budget, canonical_token, encode, key_map, lookup_key, pad_batch,
+)
 
-REL = 1e-10  # see module docstring
+class Window(namedtuple("Window", "text_index input_ids keys counted")):
+    def __len__(self):
+        return len(self.input_ids)
+
+
+def encode_windows(tokenizer, texts, max_length, include_special=False, key="id"):
+    """The flat encoding seen window by window, for readable assertions."""
+    enc = encode(tokenizer, texts, max_length, include_special, key)
+    return [Window(int(enc.text_index[w]), tuple(enc.input_ids[enc.window(w)].tolist()),
+                   tuple(enc.keys[enc.window(w)].tolist()),
+                   tuple(bool(c) for c in enc.counted[enc.window(w)]))
+            for w in range(enc.num_windows)]
 
 
 @pytest.fixture(scope="module")
@@ -125,11 +125,35 @@ def test_no_texts():
     assert encode_windows(None, [], max_length=16) == []
 
 
+# ----------------------------------------------------------------------------- keys
+
+
+def test_string_keys_merge_subword_markers(tokenizer):
+    assert canonical_token("##ing") == "ing" and canonical_token("\u0120the") == "the"
+    assert canonical_token("\u2581the") == "the" and canonical_token("##") == "##"
+    mapping = key_map(tokenizer, "string")
+    vocab = tokenizer.get_vocab()
+    # "##s" and "s" are one key, the smaller of the two ids
+    assert mapping[vocab["##s"]] == mapping[vocab["s"]] == min(vocab["##s"], vocab["s"])
+    assert lookup_key(tokenizer, "##s", "string") == lookup_key(tokenizer, "s", "string")
+    assert lookup_key(tokenizer, "##s", "id") == vocab["##s"]
+    assert lookup_key(tokenizer, "not-a-token-anywhere", "id") is None
+    # every key is a vocabulary id whose canonical string is the token's own
+    tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    for i in range(0, len(tokens), 97):
+        assert canonical_token(tokens[mapping[i]]) == canonical_token(tokens[i])
+
+
+def test_string_keys_in_encoding(tokenizer):
+    text = "walks walking"  # walk ##s, walk ##ing
+    (by_id,) = encode_windows(tokenizer, [text], 64)
+    (by_string,) = encode_windows(tokenizer, [text], 64, key="string")
+    mapping = key_map(tokenizer, "string")
+    assert by_string.keys == tuple(int(mapping[i]) for i in by_id.input_ids)
+    assert by_string.counted == by_id.counted
+
+
 # ----------------------------------------------------------------------------- batching
-
-
-def _w(i, length):
-    return Window(i, tuple(range(length)), tuple(range(length)), (True,) * length)
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -137,185 +161,41 @@ def _w(i, length):
 def test_batches_respect_the_token_budget(seed, budget):
     rng = np.random.default_rng(seed)
     lengths = rng.integers(1, 600, size=200)
-    windows = [_w(i, int(n)) for i, n in enumerate(lengths)]
-    batches = list(batches_by_token_budget(windows, budget))
-    seen = [w.text_index for b in batches for w in b]
-    assert sorted(seen) == list(range(len(windows)))  # every window exactly once
+    batches = list(batches_by_token_budget(lengths, budget))
+    seen = np.concatenate(batches)
+    assert sorted(seen.tolist()) == list(range(len(lengths)))  # every window exactly once
     for b in batches:
-        padded = len(b) * max(len(w) for w in b)
+        padded = len(b) * lengths[b].max()
         if len(b) > 1:  # only a lone window may exceed the budget
-            assert padded <= budget, (len(b), [len(w) for w in b], budget)
+            assert padded <= budget, (len(b), lengths[b], budget)
     # batches are greedy: a batch plus the next batch's first window would not fit
     for a, b in zip(batches, batches[1:]):
-        longest = max(max(len(w) for w in a), len(b[0]))
+        longest = max(lengths[a].max(), lengths[b[0]])
         assert (len(a) + 1) * longest > budget
 
 
 def test_single_window_longer_than_budget_is_its_own_batch():
-    windows = [_w(0, 5), _w(1, 50), _w(2, 6), _w(3, 7)]
-    batches = list(batches_by_token_budget(windows, 20))
-    assert [[w.text_index for w in b] for b in batches] == [[0, 2], [3], [1]]
-    assert list(batches_by_token_budget([], 20)) == []
+    lengths = np.array([5, 50, 6, 7])
+    batches = list(batches_by_token_budget(lengths, 20))
+    assert [b.tolist() for b in batches] == [[0, 2], [3], [1]]
+    assert list(batches_by_token_budget(np.zeros(0, dtype=np.int64), 20)) == []
 
 
-# ----------------------------------------------------------------------------- reduce
+def test_padded_batch_holds_the_windows_and_nothing_else(tokenizer):
+    texts = ["one two three four five six seven", "eight", "nine ten eleven"]
+    enc = encode(tokenizer, texts, max_length=6)
+    order = np.array([2, 0, 1])
+    batch = pad_batch(enc, order, pad_id=tokenizer.pad_token_id)
+    T = int(enc.lengths[order].max())
+    assert batch.input_ids.shape == batch.counted.shape == (3, T)
+    for row, w in enumerate(order):
+        length = int(enc.lengths[w])
+        assert batch.input_ids[row, :length].tolist() == enc.input_ids[enc.window(w)].tolist()
+        assert (batch.input_ids[row, length:] == tokenizer.pad_token_id).all()
+        assert batch.attention[row].tolist() == [1] * length + [0] * (T - length)
+        assert batch.counted[row, :length].tolist() == enc.counted[enc.window(w)].tolist()
+        assert not batch.counted[row, length:].any()
+    assert batch.num_counted == int(enc.counted[np.isin(np.repeat(np.arange(enc.num_windows),
+                                                                  enc.lengths), order)].sum())
 
 
-def ref_reduce(hidden, keys, counted):
-    """Numpy two-pass float64 moments over the counted positions only."""
-    mask = counted.numpy()
-    flat_keys = keys.numpy()[mask]
-    ids = np.unique(flat_keys)
-    out_tok = {"ids": ids, "n": np.array([(flat_keys == i).sum() for i in ids])}
-    means, m2s, units = [], [], []
-    lay = {"mean": [], "com": [], "unit": [], "unit_sq": [], "within": []}
-    for h in hidden:
-        x = h.numpy()[mask].astype(np.float64)
-        u = x / np.linalg.norm(x, axis=1, keepdims=True)
-        mean_l, m2_l, unit_l = [], [], []
-        for i in ids:
-            xi = x[flat_keys == i]
-            mu = xi.mean(0)
-            mean_l.append(mu)
-            m2_l.append(((xi - mu) ** 2).sum())
-            unit_l.append(u[flat_keys == i].sum(0))
-        means.append(mean_l)
-        m2s.append(m2_l)
-        units.append(unit_l)
-        mu = x.mean(0)
-        lay["mean"].append(mu)
-        lay["com"].append((x - mu).T @ (x - mu))
-        lay["unit"].append(u.sum(0))
-        lay["unit_sq"].append((u * u).sum(0))
-        lay["within"].append(sum(m2_l))
-    out_tok.update(mean=np.array(means), m2=np.array(m2s), unit_sum=np.array(units))
-    return out_tok, {k: np.array(v) for k, v in lay.items()}, int(mask.sum())
-
-
-def random_batch(rng, rows=5, T=11, d=8, L=3, vocab=7, pad_value=np.nan):
-    """Hidden states with right padding; padded positions hold garbage (NaN by default)."""
-    lengths = rng.integers(1, T + 1, size=rows)
-    lengths[0] = T
-    hidden = []
-    base = rng.standard_normal((vocab, d)) * 3  # tokens have distinct means: M and V both matter
-    keys = torch.from_numpy(rng.integers(0, vocab, size=(rows, T)))
-    counted = torch.zeros((rows, T), dtype=torch.bool)
-    for r, n in enumerate(lengths):
-        counted[r, :n] = True
-        counted[r, 0] = False  # a [CLS]-like position that does not count
-    for _ in range(L):
-        h = base[keys.numpy()] + rng.standard_normal((rows, T, d))
-        h[~(np.arange(T)[None, :] < lengths[:, None])] = pad_value
-        hidden.append(torch.from_numpy(h.astype(np.float32)))
-    return hidden, keys, counted
-
-
-def close(a, b, scale):
-    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
-    err = np.max(np.abs(a - b)) if a.size else 0.0
-    assert a.shape == b.shape
-    assert err <= REL * scale, (err, scale)
-    return err
-
-
-@pytest.mark.parametrize("pad_value", [np.nan, 1e6, 0.0])
-@pytest.mark.parametrize("seed", range(3))
-def test_reduce_batch_matches_two_pass_and_ignores_padding(seed, pad_value):
-    rng = np.random.default_rng(seed)
-    hidden, keys, counted = random_batch(rng, pad_value=pad_value)
-    tok, lay = reduce_batch(hidden, keys, counted)
-    ref_tok, ref_lay, N = ref_reduce(hidden, keys, counted)
-    q = max(float((h.numpy()[counted.numpy()].astype(np.float64) ** 2).sum(1).max()) for h in hidden)
-    np.testing.assert_array_equal(tok.ids, ref_tok["ids"])
-    np.testing.assert_array_equal(tok.n, ref_tok["n"])
-    assert lay.n == N == int(tok.n.sum())
-    close(tok.mean, ref_tok["mean"], np.sqrt(q))
-    close(tok.m2, ref_tok["m2"], N * q)
-    close(tok.unit_sum, ref_tok["unit_sum"], N)
-    close(lay.mean, ref_lay["mean"], np.sqrt(q))
-    close(lay.comoment, ref_lay["com"], N * q)
-    close(lay.unit_sum, ref_lay["unit"], N)
-    close(lay.unit_sq_sum, ref_lay["unit_sq"], N)
-    close(lay.within, ref_lay["within"], N * q)
-    for arr in (tok.mean, tok.m2, tok.unit_sum, lay.mean, lay.comoment):
-        assert np.isfinite(arr).all()  # NaN padding never leaked
-
-
-def test_uncounted_positions_with_a_counted_key_do_not_contribute():
-    # The same key both counted and not counted ([CLS] typed in the text vs added [CLS]):
-    # only the counted occurrences contribute.
-    d = 4
-    h = torch.tensor([[[1.0] * d, [2.0] * d, [100.0] * d]])  # (1, 3, d)
-    keys = torch.tensor([[5, 5, 5]])
-    counted = torch.tensor([[True, True, False]])
-    tok, lay = reduce_batch([h], keys, counted)
-    assert tok.ids.tolist() == [5] and tok.n.tolist() == [2]
-    np.testing.assert_allclose(tok.mean[0, 0], [1.5] * d)
-    np.testing.assert_allclose(tok.m2[0], [2 * d * 0.25])
-    assert lay.n == 2
-
-
-def test_nothing_counted_gives_empty_moments():
-    h = torch.randn(2, 3, 4)
-    tok, lay = reduce_batch([h, h], torch.zeros((2, 3), dtype=torch.long),
-                            torch.zeros((2, 3), dtype=torch.bool))
-    assert len(tok) == 0 and lay.n == 0
-    assert tok.mean.shape == (2, 0, 4) and lay.mean.shape == (2, 4)
-
-
-def _reduce_split(hidden, keys, counted, groups):
-    """Reduce row groups separately (each trimmed to its own longest row), then merge."""
-    L, d = len(hidden), hidden[0].shape[-1]
-    acc = TokenAccumulator(L, d, capacity=2)  # tiny capacity: growth is exercised
-    layers = LayerMoments.empty(L, d)
-    for rows in groups:
-        idx = torch.tensor(rows)
-        width = int(counted[idx].sum(1).max()) + 1  # [CLS] + counted positions
-        sub_h = [h[idx, :width] for h in hidden]
-        t, l = reduce_batch(sub_h, keys[idx, :width], counted[idx, :width])
-        l.within = acc.add(t)
-        layers = layers.merged(l)
-    return acc.snapshot(), layers
-
-
-def test_results_do_not_depend_on_batch_composition():
-    rng = np.random.default_rng(7)
-    hidden, keys, counted = random_batch(rng, rows=12, T=9, d=6, L=2, vocab=5)
-    whole_tok, whole_lay = reduce_batch(hidden, keys, counted)
-    q = max(float((h.numpy()[counted.numpy()].astype(np.float64) ** 2).sum(1).max()) for h in hidden)
-    N = whole_lay.n
-    splits = [
-        [list(range(12))],
-        [[i] for i in range(12)],
-        [[11, 3, 5], [0, 1], [2, 4, 6, 7, 8, 9, 10]],
-        [list(range(0, 12, 2)), list(range(1, 12, 2))],
-    ]
-    for groups in splits:
-        tok, lay = _reduce_split(hidden, keys, counted, groups)
-        order = np.argsort(tok.ids)
-        np.testing.assert_array_equal(tok.ids[order], whole_tok.ids)
-        np.testing.assert_array_equal(tok.n[order], whole_tok.n)
-        assert lay.n == N
-        close(tok.mean[:, order], whole_tok.mean, np.sqrt(q))
-        close(tok.m2[:, order], whole_tok.m2, N * q)
-        close(tok.unit_sum[:, order], whole_tok.unit_sum, N)
-        close(lay.mean, whole_lay.mean, np.sqrt(q))
-        close(lay.comoment, whole_lay.comoment, N * q)
-        close(lay.within, whole_tok.m2.sum(1), N * q)
-        close(lay.unit_sum, whole_lay.unit_sum, N)
-
-
-def test_every_split_of_a_small_batch_agrees():
-    # All 2-way splits of 5 rows: exhaustive over batch composition.
-    rng = np.random.default_rng(3)
-    hidden, keys, counted = random_batch(rng, rows=5, T=6, d=3, L=1, vocab=3)
-    whole_tok, whole_lay = reduce_batch(hidden, keys, counted)
-    q = float((hidden[0].numpy()[counted.numpy()].astype(np.float64) ** 2).sum(1).max())
-    for r in range(1, 5):
-        for first in itertools.combinations(range(5), r):
-            second = [i for i in range(5) if i not in first]
-            tok, lay = _reduce_split(hidden, keys, counted, [list(first), second])
-            order = np.argsort(tok.ids)
-            np.testing.assert_array_equal(tok.n[order], whole_tok.n)
-            close(tok.m2[:, order], whole_tok.m2, whole_lay.n * q)
-            close(lay.comoment, whole_lay.comoment, whole_lay.n * q)

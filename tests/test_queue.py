@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 
-from embgeom import keys as K
-from embgeom.queue import JobQueue, JobRequest
+from embgeom.store import keys as K
+from embgeom.store.jobs import JobQueue, JobRequest
 from embgeom.worker import redis_client
 
 

@@ -30,11 +30,11 @@ import pytest
 import redis
 from fastapi.testclient import TestClient
 
-from embgeom import keys as K
+from embgeom.store import keys as K
 from embgeom.corpora import bbc_texts
-from embgeom.models import ModelPool, ModelRegistry
-from embgeom.queue import JobQueue, JobRequest
-from embgeom.redis_server import RedisServer, free_port
+from embgeom.compute.models import ModelPool, ModelRegistry
+from embgeom.store.jobs import JobQueue, JobRequest
+from embgeom.store.server import RedisServer, free_port
 from embgeom.worker import Worker, live_workers, redis_client
 from service.app import create_app
 from tests.conftest import ServiceProcess, WorkerThread, wait_for_jobs, wait_ready

@@ -33,11 +33,14 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from embgeom.stats import (
+    BUCKET_EDGES,
     LayerMoments,
-    TokenAccumulator,
-    TokenMoments,
+    aligned_buckets,
+    bucket_index,
+    bucket_sums,
     chan_merge,
     decomposition,
+    decomposition_from_sums,
     layer_summary,
     moments_of_points,
     q_m_v,
@@ -279,108 +282,10 @@ def test_decomposition_empty():
     assert all(out[k] is None for k in ("Q", "M", "V", "V_W", "V_B"))
 
 
-# --------------------------------------------------------------------------- TokenAccumulator
-
-
-def token_batch(ids, x):
-    """TokenMoments of one batch, built from raw points, unique ids in random order.
-
-    ids: (m,) token ids of the batch's occurrences; x: (L, m, d) embeddings.
-    """
-    uniq = np.unique(ids)
-    L, _, d = x.shape
-    mean = np.zeros((L, len(uniq), d))
-    m2 = np.zeros((L, len(uniq)))
-    unit = np.zeros((L, len(uniq), d))
-    n = np.zeros(len(uniq), dtype=np.int64)
-    for j, t in enumerate(uniq):
-        sel = ids == t
-        n[j] = sel.sum()
-        for layer in range(L):
-            pts = x[layer, sel]
-            _, mean[layer, j], m2[layer, j] = ref_moments(pts)
-            unit[layer, j] = (pts / np.linalg.norm(pts, axis=1, keepdims=True)).sum(axis=0)
-    return TokenMoments(ids=uniq.astype(np.int64), n=n, mean=mean, m2=m2, unit_sum=unit)
-
-
-def shuffled_rows(tm: TokenMoments, rng) -> TokenMoments:
-    p = rng.permutation(len(tm))
-    return TokenMoments(ids=tm.ids[p], n=tm.n[p], mean=tm.mean[:, p], m2=tm.m2[:, p],
-                        unit_sum=tm.unit_sum[:, p])
-
-
-def run_accumulator(rng, ids, x, max_batch, capacity):
-    """Feed occurrences in random order, random batch sizes; return acc, total within, order."""
-    L = x.shape[0]
-    perm = rng.permutation(len(ids))
-    acc = TokenAccumulator(L, x.shape[2], capacity=capacity)
-    within = np.zeros(L)
-    first_sight: list[int] = []
-    start = 0
-    while start < len(perm):
-        size = int(rng.integers(1, max_batch + 1))
-        sel = perm[start:start + size]
-        start += size
-        batch = shuffled_rows(token_batch(ids[sel], x[:, sel]), rng)
-        for t in batch.ids.tolist():
-            if t not in first_sight:
-                first_sight.append(t)
-        inc = acc.add(batch)
-        assert inc.shape == (L,)
-        within += inc
-    return acc, within, first_sight
-
-
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 2**32 - 1), N=st.integers(1, 120), vocab=st.integers(1, 15),
-       L=st.integers(1, 3), d=st.integers(1, 6), max_batch=st.integers(1, 40),
-       capacity=st.integers(1, 8), offset=OFFSETS, scale=SCALES)
-def test_token_accumulator_equals_two_pass(seed, N, vocab, L, d, max_batch, capacity,
-                                           offset, scale):
-    rng = np.random.default_rng(seed)
-    id_pool = rng.choice(2**40, size=vocab, replace=False).astype(np.int64)
-    ids = id_pool[rng.integers(0, vocab, size=N)]
-    x = offset + scale * rng.standard_normal((L, N, d))
-    acc, within, first_sight = run_accumulator(rng, ids, x, max_batch, capacity)
-    snap = acc.snapshot()
-
-    assert len(acc) == len(np.unique(ids)) == len(snap)
-    assert snap.ids.tolist() == first_sight  # rows in order of first sight
-    q = float(np.mean(np.sum(x * x, axis=2)))
-    m2_total = np.zeros(L)
-    for row, t in enumerate(snap.ids.tolist()):
-        sel = ids == t
-        assert snap.n[row] == sel.sum()  # exact
-        for layer in range(L):
-            pts = x[layer, sel]
-            n_r, mean_r, m2_r = ref_moments(pts)
-            m2_total[layer] += m2_r
-            assert np.all(np.abs(snap.mean[layer, row] - mean_r) <= REL * np.sqrt(q))
-            assert abs(snap.m2[layer, row] - m2_r) <= REL * n_r * q
-            assert snap.m2[layer, row] >= 0.0
-            unit_r = (pts / np.sqrt(np.sum(pts * pts, axis=1))[:, None]).sum(axis=0)
-            np.testing.assert_allclose(snap.unit_sum[layer, row], unit_r, rtol=0, atol=1e-9 * n_r)
-    # the returned increases add up to sum_t m2_t
-    assert np.all(np.abs(within - m2_total) <= REL * N * q)
-    assert np.all(np.abs(within - snap.m2.sum(axis=1)) <= REL * N * q)
-
-
-def test_token_accumulator_snapshot_is_a_copy():
-    rng = np.random.default_rng(1)
-    ids = np.array([5, 7, 5, 9], dtype=np.int64)
-    x = rng.standard_normal((2, 4, 3))
-    acc = TokenAccumulator(2, 3, capacity=1)
-    acc.add(token_batch(ids, x))
-    snap = acc.snapshot()
-    before = snap.mean.copy()
-    acc.add(token_batch(ids, x + 1.0))
-    np.testing.assert_array_equal(snap.mean, before)
-
-
 # --------------------------------------------------------------------------- LayerMoments
 
 
-def layer_part(x: np.ndarray, within: np.ndarray) -> LayerMoments:
+def layer_part(x: np.ndarray) -> LayerMoments:
     """LayerMoments of raw points x (L, m, d), two-pass, numpy only."""
     L, m, d = x.shape
     mean = x.sum(axis=1) / m
@@ -388,7 +293,7 @@ def layer_part(x: np.ndarray, within: np.ndarray) -> LayerMoments:
     u = x / np.linalg.norm(x, axis=2, keepdims=True)
     return LayerMoments(
         n=m, mean=mean, comoment=np.einsum("lmi,lmj->lij", dev, dev),
-        unit_sum=u.sum(axis=1), unit_sq_sum=(u * u).sum(axis=1), within=within,
+        unit_sum=u.sum(axis=1), unit_sq_sum=(u * u).sum(axis=1),
     )
 
 
@@ -402,8 +307,7 @@ def test_layer_moments_merged_equals_cov(seed, n, L, d, parts, order, offset, sc
     parts = min(parts, n)
     x = offset + scale * rng.standard_normal((L, n, d))
     splits = random_split(rng, n, parts)
-    withins = [rng.random(L) for _ in splits]
-    states = [layer_part(x[:, idx], w) for idx, w in zip(splits, withins)]
+    states = [layer_part(x[:, idx]) for idx in splits]
     if start_empty:
         states = [LayerMoments.empty(L, d)] + states + [LayerMoments.empty(L, d)]
     out = merge_all(states, order, rng, lambda a, b: a.merged(b))
@@ -420,7 +324,6 @@ def test_layer_moments_merged_equals_cov(seed, n, L, d, parts, order, offset, sc
         np.testing.assert_allclose(out.unit_sum[layer], u[layer].sum(axis=0), rtol=0, atol=1e-9 * n)
         np.testing.assert_allclose(out.unit_sq_sum[layer], (u[layer] ** 2).sum(axis=0),
                                    rtol=0, atol=1e-9 * n)
-    np.testing.assert_allclose(out.within, np.sum(withins, axis=0), rtol=1e-12)
     # symmetric positive semi-definite up to rounding
     np.testing.assert_allclose(out.comoment, np.swapaxes(out.comoment, 1, 2), rtol=0,
                                atol=REL * n * float(np.max(np.sum(x * x, axis=2).mean(axis=1))))
@@ -452,31 +355,12 @@ def test_adversarial_large_offset_chan_is_exact(seed, n, d, parts, order, single
     assert abs(m2_m / n_m - v_ref) <= REL * v_ref
 
     # the same through LayerMoments (co-moment trace) and decomposition
-    lm = merge_all([layer_part(x[idx][None], np.zeros(1)) for idx in splits], order, rng,
+    lm = merge_all([layer_part(x[idx][None]) for idx in splits], order, rng,
                    lambda a, b: a.merged(b))
     assert abs(lm.m2[0] / n - v_ref) <= REL * v_ref
     n_t = np.array([len(idx) for idx in splits])
     dec = decomposition(n_t, np.stack([s[1] for s in states]), np.array([s[2] for s in states]))
     assert abs(dec["V"] - v_ref) <= REL * v_ref
-
-
-@FAST
-@given(seed=st.integers(0, 2**32 - 1), N=st.integers(1, 150), vocab=st.integers(1, 6),
-       d=st.integers(2, 8), max_batch=st.integers(1, 30))
-def test_adversarial_large_offset_token_accumulator(seed, N, vocab, d, max_batch):
-    rng = np.random.default_rng(seed)
-    ids = rng.integers(0, vocab, size=N).astype(np.int64)
-    x = OFFSET + rng.standard_normal((1, N, d))
-    acc, within, _ = run_accumulator(rng, ids, x, max_batch, capacity=2)
-    snap = acc.snapshot()
-    total = 0.0
-    for row, t in enumerate(snap.ids.tolist()):
-        pts = x[0, ids == t]
-        m2_r = ref_moments(pts)[2]
-        total += m2_r
-        # a token seen once has V = 0 exactly on both sides
-        assert abs(snap.m2[0, row] - m2_r) <= REL * m2_r
-    assert abs(within[0] - total) <= REL * total
 
 
 @FAST
@@ -495,7 +379,7 @@ def test_adversarial_identical_vectors_variance_stays_zero(seed, n, d, parts, or
     # Only the rounding of a mean (~eps * 1e4 per coordinate) can show up, squared:
     # ~1e-22 per coordinate against Q ~ d * 1e8, so 1e-20 * Q is a loose bound.
     assert 0.0 <= V <= 1e-20 * q
-    lm = merge_all([layer_part(x[idx][None], np.zeros(1)) for idx in splits], order, rng,
+    lm = merge_all([layer_part(x[idx][None]) for idx in splits], order, rng,
                    lambda a, b: a.merged(b))
     assert 0.0 <= lm.m2[0] / n <= 1e-20 * q
     ev = np.linalg.eigvalsh(lm.comoment[0] / n)
@@ -642,3 +526,57 @@ def test_layer_summary_none_cases_inexact_mean(case):
         M = np.array([1.0, 2.0, 4.0])
         out = layer_summary([10, 20, 40], M + V, M, V)
         assert out["r2"] is None
+
+
+# --------------------------------------------------------------------------- count buckets
+
+
+def test_bucket_edges_cover_every_count_once():
+    n = np.arange(1, 2_000_000, 997)
+    b = bucket_index(n)
+    assert b.min() == 0 and b.max() == len(BUCKET_EDGES) - 1
+    lo = BUCKET_EDGES[b]
+    hi = np.r_[BUCKET_EDGES[1:], np.iinfo(np.int64).max][b]
+    assert np.all((lo <= n) & (n < hi))
+
+
+@pytest.mark.parametrize("lo, hi, aligned", [
+    (1, None, True), (2, None, True), (10, 100000, True), (10, None, True), (5, 100, True),
+    (3, 3, False), (7, None, False), (10, 98, False), (10, 99, True), (1, 1, True),
+])
+def test_aligned_buckets_are_exactly_the_filter(lo, hi, aligned):
+    got = aligned_buckets(lo, hi)
+    assert (got is not None) == aligned
+    if got is None:
+        return
+    n = np.arange(1, 300_000)
+    keep = (n >= lo) & ((n <= hi) if hi is not None else True)
+    assert np.array_equal(np.isin(bucket_index(n), got), keep)
+
+
+@FAST
+@given(seed=st.integers(0, 2**32 - 1), k=st.integers(1, 60), L=st.integers(1, 3),
+       d=st.integers(1, 6), offset=OFFSETS, scale=SCALES)
+def test_filtered_decomposition_from_bucket_sums_equals_two_pass(seed, k, L, d, offset, scale):
+    """The bucket path (no per-type means read) agrees with the two-pass decomposition
+    over the same kept types, within eps * (M + V_B) (its documented error bound)."""
+    rng = np.random.default_rng(seed)
+    n = rng.integers(1, 3000, size=k)
+    mean = offset + scale * rng.standard_normal((k, L, d))
+    m2 = n[:, None] * scale**2 * rng.random((k, L)) * d
+    buckets = bucket_index(n)
+    types, count, vector = bucket_sums(buckets, n, mean, len(BUCKET_EDGES))
+    assert types.sum() == k and count.sum() == n.sum()
+    sel = aligned_buckets(10, None)
+    keep = n >= 10
+    assume(keep.any())
+    for layer in range(L):
+        ref = decomposition(n[keep], mean[keep, layer], m2[keep, layer])
+        got = decomposition_from_sums(float(count[sel].sum()), vector[sel, layer].sum(axis=0),
+                                      float(m2[keep, layer].sum()),
+                                      float(n[keep] @ np.sum(mean[keep, layer] ** 2, axis=1)),
+                                      int(types[sel].sum()))
+        assert got["n"] == ref["n"] and got["num_types"] == ref["num_types"]
+        scale_q = ref["Q"]
+        for key in ("Q", "M", "V", "V_W", "V_B"):
+            assert abs(got[key] - ref[key]) <= 1e-9 * scale_q, key

@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
 __all__ = [
-    "KEY_MODES", "MARKERS", "canonical_token", "Encoded", "encode", "key_map",
-    "batches_by_token_budget",
+    "KEY_MODES", "MARKERS", "canonical_token", "Encoded", "encode", "key_map", "lookup_key",
+    "batches_by_token_budget", "PaddedBatch", "pad_batch",
 ]
 
 KEY_MODES = ("id", "string")
@@ -78,6 +78,28 @@ def key_map(tokenizer, key: str) -> np.ndarray:
     with _KEY_MAPS_LOCK:
         _KEY_MAPS[cache_key] = mapping
     return mapping
+
+
+_LOOKUPS: dict[tuple[int, str], dict[str, int]] = {}
+
+
+def lookup_key(tokenizer, token: str, key: str) -> Optional[int]:
+    """The key a vocabulary string is counted under, or None when it is not in the
+    vocabulary. With ``"string"`` keys, ``##ing``, ``ing`` and ``Ġing`` name one key."""
+    cache_key = (id(tokenizer), key)
+    table = _LOOKUPS.get(cache_key)
+    if table is None:
+        vocab = tokenizer.get_vocab()
+        if key == "string":
+            mapping = key_map(tokenizer, "string")
+            table = {}
+            for string, i in vocab.items():  # once per tokenizer
+                table.setdefault(canonical_token(string), int(mapping[i]))
+        else:
+            table = {string: int(i) for string, i in vocab.items()}
+        with _KEY_MAPS_LOCK:
+            _LOOKUPS[cache_key] = table
+    return table.get(canonical_token(token) if key == "string" else token)
 
 
 @dataclass(frozen=True)

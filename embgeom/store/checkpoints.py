@@ -36,7 +36,7 @@ from typing import Optional
 
 import redis
 
-from embgeom.errors import EmbgeomError
+from embgeom.errors import EmbgeomError, GenerationDeleted
 from embgeom.stats import WindowMoments
 from embgeom.store.conf import PairConf, shard_of
 from embgeom.store.keys import PairKeys
@@ -164,6 +164,11 @@ class Checkpointer:
             t2 = time.perf_counter()
         except CheckpointGone:
             return CommitResult("already")
+        except GenerationDeleted:
+            # The collection was deleted meanwhile: what was written went to dead parts;
+            # the completion voids the jobs.
+            status, _ = self.complete(pair, conf, cp, jobs, [])
+            return CommitResult(status if status != "completed" else "void")
         touched = sorted(set(shard_of(window.tokens.ids, conf.shards).tolist()))
         status, version = self.complete(pair, conf, cp, jobs, touched)
         t3 = time.perf_counter()

@@ -107,10 +107,8 @@ class Collections:
 
     def delete_pair(self, pair: PairKeys) -> None:
         old = int(self.r.incr(pair.gen)) - 1
-        with self.r.pipeline(transaction=True) as p:  # the pair's slot only
-            p.delete(pair.meta)
-            p.delete(pair.inflight)
-            p.execute()
+        # Checkpoints in flight stay listed: their completion voids their jobs.
+        self.r.delete(pair.meta)
         self.free_generation(pair, old)
         # The directory lives in another slot: a second command. If a job of the new
         # generation was enqueued meanwhile, put the pair back so it stays listed.

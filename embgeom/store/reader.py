@@ -17,12 +17,16 @@ one token is always whole.
 
 from __future__ import annotations
 
+import json
+import time
 from dataclasses import dataclass
 from typing import Generator, Optional, Sequence
 
 import numpy as np
 
+from embgeom.errors import NotFound
 from embgeom.store import codec
+from embgeom.store import keys as K
 from embgeom.store.conf import PairConf, shard_of
 from embgeom.store.keys import PairKeys
 from embgeom.store.layers import comoment_from_chunks, merge_chunks, merge_head
@@ -117,8 +121,13 @@ class Reader:
 
     # ---------------------------------------------------------------- the pair
     def pair_state(self, pair: PairKeys) -> Plan:
-        gen_raw, meta, applying = yield [("get", pair.gen), ("hgetall", pair.meta),
-                                         ("zcard", pair.inflight)]
+        """The pair's generation, configuration and freshness; ``collection_not_found`` or
+        ``model_not_in_collection`` when nothing was ever sent to it."""
+        gen_raw, meta, applying, listed = yield [
+            ("get", pair.gen), ("hgetall", pair.meta), ("zcard", pair.inflight),
+            ("sismember", K.PAIRS, pair.pair)]
+        if not listed:
+            yield from self._not_found(pair)
         gen = int(gen_raw or 0)
         conf = self._confs.get((pair.pair, gen))
         if conf is None:
@@ -128,6 +137,26 @@ class Reader:
         updated = meta.get(b"updated_at")
         return PairState(pair, gen, conf, int(meta.get(b"version", 0)),
                          float(updated) if updated else None, int(applying))
+
+    def _not_found(self, pair: PairKeys) -> Plan:
+        members, settings = yield [("smembers", K.PAIRS),
+                                   ("exists", K.collection_settings(pair.collection))]
+        collections = {K.split_pair(m.decode())[0] for m in members}
+        if pair.collection not in collections and not settings:
+            raise NotFound("collection_not_found", f"no collection {pair.collection!r}",
+                           collection=pair.collection)
+        raise NotFound("model_not_in_collection",
+                       f"no text was ever sent to collection {pair.collection!r} for model "
+                       f"{pair.model!r}", collection=pair.collection, model=pair.model)
+
+    def live_workers(self, silence_seconds: float) -> Plan:
+        """Heartbeat details of the workers heard from within ``silence_seconds``."""
+        # Heartbeats are scored by each worker's clock: compared with ours, as they are.
+        (ids,) = yield [("zrangebyscore", K.WORKERS, time.time() - silence_seconds, "+inf")]
+        if not ids:
+            return []
+        raws = yield [("get", K.worker(i.decode())) for i in ids]
+        return [json.loads(raw) for raw in raws if raw]
 
     # ------------------------------------------------------------------- heads
     def heads(self, state: PairState) -> Plan:
@@ -267,6 +296,6 @@ class Reader:
         order = np.argsort(ids, kind="stable")
         ids = ids[order]
         # HSCAN may return an entry twice (a rehash between pages): keep one of each.
-        last = np.r_[ids[1:] != ids[:-1], True]
+        last = np.r_[ids[1:] != ids[:-1], True] if len(ids) else np.zeros(0, dtype=bool)
         order = order[last]
         return ids[last], ns[order], m2s[order], means[order]

@@ -3,13 +3,16 @@ from __future__ import annotations
 from typing import Annotated, Literal, Optional
 
 from fastapi import APIRouter, Query
+from fastapi.responses import ORJSONResponse
 
-from embgeom import keys as K
 from embgeom import reports
 from embgeom.errors import NotFound
-from service.deps import CollectionDep, LayerDep, ModelDep, PairDep, RuntimeDep
+from embgeom.store.conf import CollectionSettings
+from embgeom.store.reader import run_async
+from service.deps import CollectionDep, LayerDep, PairDep, RuntimeDep
 from service.schemas import (
-    Decomposition, Deleted, CollectionOut, ErrorBody, LayersOut, TokenDetail, TokenPage,
+    CollectionInfo, CollectionOut, CollectionSettingsIn, Decomposition, Deleted, ErrorBody,
+    LayersOut, TokenDetail, TokenPage,
 )
 
 router = APIRouter(prefix="/v1/collections", tags=["collections"],
@@ -19,72 +22,82 @@ MinCount = Annotated[int, Query(ge=1, description="Keep token types with n_t >= 
 MaxCount = Annotated[Optional[int], Query(ge=1, description="Keep token types with n_t <= max_count")]
 
 
-def _pairs(rt) -> dict[str, list[str]]:
-    grouped: dict[str, list[str]] = {}
-    for raw in rt.redis.smembers(K.PAIRS):
-        c, m = K.split_pair(raw.decode())
-        grouped.setdefault(c, []).append(m)
-    return {c: sorted(ms) for c, ms in sorted(grouped.items())}
-
-
 @router.get("", response_model=list[CollectionOut])
 def list_collections(rt: RuntimeDep) -> list[dict]:
-    return [{"name": c, "models": ms} for c, ms in _pairs(rt).items()]
+    return [{"name": c, "models": ms} for c, ms in rt.collections.pairs().items()]
+
+
+@router.put("/{collection}", response_model=CollectionInfo, status_code=201,
+            responses={200: {"model": CollectionInfo, "description": "Already there, same settings"},
+                       409: {"model": ErrorBody, "description": "Already there, other settings"}})
+def put_collection(collection: CollectionDep, body: CollectionSettingsIn, rt: RuntimeDep):
+    """Create a collection with fixed settings: a preset, or explicit settings."""
+    if body.preset is not None:
+        settings = CollectionSettings.from_preset(body.preset)
+    else:
+        settings = CollectionSettings(key=body.key, unit=body.unit,
+                                      include_special=body.include_special,
+                                      layers=tuple(body.layers) if body.layers is not None else None,
+                                      self_similarity=body.self_similarity)
+    settings, created = rt.collections.put(collection, settings)
+    out = {"name": collection, "settings": settings.to_dict(), "created": created,
+           "models": rt.collections.pairs().get(collection, [])}
+    return ORJSONResponse(out, status_code=201 if created else 200)
+
+
+@router.get("/{collection}", response_model=CollectionInfo)
+def get_collection(collection: CollectionDep, rt: RuntimeDep) -> dict:
+    settings = rt.collections.settings(collection)
+    models = rt.collections.pairs().get(collection, [])
+    if settings is None and not models:
+        raise NotFound("collection_not_found", f"no collection {collection!r}", collection=collection)
+    return {"name": collection, "settings": settings.to_dict() if settings else None, "models": models}
 
 
 @router.delete("/{collection}", response_model=Deleted)
 def delete_collection(collection: CollectionDep, rt: RuntimeDep) -> dict:
-    """Delete every statistic of a collection. Jobs still queued for it are voided."""
-    models = _pairs(rt).get(collection)
-    if not models:
-        raise NotFound("collection_not_found", f"no collection {collection!r}", collection=collection)
-    for model in models:
-        rt.store.delete_pair(K.PairKeys(collection, model))
+    """Delete a collection: its settings and every statistic. Jobs still queued for it
+    are voided (they fail without running)."""
+    models = rt.collections.delete(collection)
     return {"deleted": collection, "models": models}
 
 
 @router.get("/{collection}/models/{model}/layers", response_model=LayersOut)
-def layers(pair: PairDep, model: ModelDep, rt: RuntimeDep,
-           min_count: MinCount = 1, max_count: MaxCount = None) -> dict:
-    """Decomposition and summary (cv_Q, V-on-M regression) of every layer."""
+async def layers(pair: PairDep, rt: RuntimeDep,
+                 min_count: MinCount = 1, max_count: MaxCount = None):
+    """Decomposition and summary (cv_Q, V-on-M regression) of every kept layer."""
     f = reports.CountFilter(min_count, max_count)
-    rows, as_of = reports.layer_rows(rt.store, pair, range(model.num_layers + 1), f)
+    rows, as_of = await run_async(rt.aredis, reports.layer_rows(rt.reader, pair, None, f))
     for row in rows:
         row.update(f.to_dict())
-    return {"collection": pair.collection, "model": pair.model, **f.to_dict(),
-            "layers": rows, "as_of": as_of}
+    return ORJSONResponse({"collection": pair.collection, "model": pair.model, **f.to_dict(),
+                           "layers": rows, "as_of": as_of})
 
 
 @router.get("/{collection}/models/{model}/layers/{layer}/decomposition", response_model=Decomposition)
-def decomposition(pair: PairDep, layer: LayerDep, rt: RuntimeDep,
-                  min_count: MinCount = 1, max_count: MaxCount = None) -> dict:
+async def decomposition(pair: PairDep, layer: LayerDep, rt: RuntimeDep,
+                        min_count: MinCount = 1, max_count: MaxCount = None):
     """Q = M + V_W + V_B at one layer; O(d) without a count filter."""
     f = reports.CountFilter(min_count, max_count)
-    rows, as_of = reports.layer_rows(rt.store, pair, [layer], f, with_summary=False)
-    return {**rows[0], **f.to_dict(), "as_of": as_of}
+    rows, as_of = await run_async(rt.aredis, reports.layer_rows(rt.reader, pair, [layer], f,
+                                                                 with_summary=False))
+    return ORJSONResponse({**rows[0], **f.to_dict(), "as_of": as_of})
 
 
 @router.get("/{collection}/models/{model}/layers/{layer}/tokens", response_model=TokenPage)
-def tokens(pair: PairDep, layer: LayerDep, rt: RuntimeDep,
-           order_by: Literal["n", "Q", "M", "V"] = "n", desc: bool = True,
-           limit: Annotated[int, Query(ge=1, le=10000)] = 100,
-           cursor: Optional[str] = None, min_count: MinCount = 1, max_count: MaxCount = None,
-           token: Annotated[Optional[str], Query(description="A vocabulary string, e.g. '##ing'")] = None) -> dict:
-    tokenizer = rt.registry.tokenizer(pair.model)
-    token_id = _lookup(tokenizer, token) if token is not None else None
-    return reports.token_page(rt.store, pair, layer, tokenizer, order_by, desc, limit, cursor,
-                              reports.CountFilter(min_count, max_count), token_id)
+async def tokens(pair: PairDep, layer: LayerDep, rt: RuntimeDep,
+                 order_by: Literal["n", "Q", "M", "V"] = "n", desc: bool = True,
+                 limit: Annotated[int, Query(ge=1, le=10000)] = 100,
+                 cursor: Optional[str] = None, min_count: MinCount = 1, max_count: MaxCount = None,
+                 token: Annotated[Optional[str], Query(description="A vocabulary string, e.g. '##ing'")] = None):
+    page = await run_async(rt.aredis, reports.token_page(
+        rt.reader, pair, layer, rt.registry.tokenizer(pair.model), order_by, desc, limit, cursor,
+        reports.CountFilter(min_count, max_count), token))
+    return ORJSONResponse(page)
 
 
 @router.get("/{collection}/models/{model}/layers/{layer}/tokens/{token_id}", response_model=TokenDetail)
-def token(pair: PairDep, layer: LayerDep, token_id: int, rt: RuntimeDep) -> dict:
-    return reports.token_detail(rt.store, pair, layer, token_id, rt.registry.tokenizer(pair.model))
-
-
-def _lookup(tokenizer, token: str) -> int:
-    """Vocabulary string -> id; an out-of-vocabulary string is a 404, never [UNK]'s id."""
-    vocab = tokenizer.get_vocab()
-    if token not in vocab:
-        raise NotFound("token_not_in_vocabulary", f"{token!r} is not in the model's vocabulary",
-                       token=token)
-    return int(vocab[token])
+async def token(pair: PairDep, layer: LayerDep, token_id: int, rt: RuntimeDep):
+    detail = await run_async(rt.aredis, reports.token_detail(
+        rt.reader, pair, layer, token_id, rt.registry.tokenizer(pair.model)))
+    return ORJSONResponse(detail)

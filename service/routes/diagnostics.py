@@ -6,6 +6,7 @@ from fastapi import APIRouter, Query
 from starlette.concurrency import run_in_threadpool
 
 from embgeom import probes, reports
+from embgeom.store.reader import run_sync
 from embgeom.errors import InvalidInput, NotFound
 from service.deps import LayerDep, ModelDep, PairDep, RuntimeDep
 from service.schemas import (
@@ -21,26 +22,30 @@ Transform = Annotated[Optional[str], Query(description="none | standardize | abt
 Threshold = Annotated[float, Query(gt=0, description="Outlier if variance >= threshold x mean variance")]
 
 
+# Eigendecompositions and scans are CPU work: these reads run on the thread pool with the
+# synchronous client, never on the event loop.
+
 @router.get(LAYER_PATH + "/isotropy", response_model=Isotropy)
 def isotropy(pair: PairDep, layer: LayerDep, rt: RuntimeDep, transform: Transform = None,
              spectrum: bool = False, partition: bool = True,
              min_count: Annotated[int, Query(ge=1, description="Token types used for I(W)")] = 1) -> dict:
     """IsoScore, mean cosine, effective rank, participation ratio, top eigenvalue ratio and
     partition isotropy, exact over every embedding ingested."""
-    return reports.isotropy(rt.store, pair, layer, transform, spectrum, partition, min_count)
+    return run_sync(rt.redis, reports.isotropy(rt.reader, pair, layer, transform, spectrum,
+                                               partition, min_count))
 
 
 @router.get(LAYER_PATH + "/outliers", response_model=Outliers)
 def outliers(pair: PairDep, layer: LayerDep, rt: RuntimeDep, threshold: Threshold = 5.0,
              transform: Transform = None, top: Annotated[int, Query(ge=1, le=4096)] = 10) -> dict:
-    return reports.outliers(rt.store, pair, layer, threshold, transform, top)
+    return run_sync(rt.redis, reports.outliers(rt.reader, pair, layer, threshold, transform, top))
 
 
 @router.get("/collections/{collection}/models/{model}/outliers", response_model=ModelOutliers)
 def model_outliers(pair: PairDep, model: ModelDep, rt: RuntimeDep, threshold: Threshold = 5.0,
                    transform: Transform = None) -> dict:
     """Outlier dimensions of every layer and the ones that persist across layers."""
-    return reports.model_outliers(rt.store, pair, model.num_layers + 1, threshold, transform)
+    return run_sync(rt.redis, reports.model_outliers(rt.reader, pair, threshold, transform))
 
 
 def _check_sync_size(rt, texts) -> None:
@@ -55,15 +60,13 @@ async def isotropy_sample(pair: PairDep, layer: LayerDep, body: SampleRequest, r
     """IsoScore and IsoScore* (Rudman & Eickhoff 2024) of a mini-batch, shrunk toward the
     collection's covariance or the identity. Runs the model in the API process."""
     _check_sync_size(rt, body.texts)
-    reference = None
-    if body.reference == "collection":
-        _, state = rt.store.covariance_state(pair, [layer])
-        g, comoment, _, _ = state.get(layer, (None, None, None, None))
-        if g is None or g.n == 0:
-            raise NotFound("collection_empty", "the collection has no embeddings at this layer yet")
-        reference = comoment / g.n
 
     def run():
+        reference = None
+        if body.reference == "collection":
+            reference = run_sync(rt.redis, reports.covariance(rt.reader, pair, layer))
+            if reference is None:
+                raise NotFound("collection_empty", "the collection has no embeddings at this layer yet")
         loaded = rt.sync_pool.get(pair.model)
         return probes.sample_isotropy(loaded, body.texts, layer, body.zeta, reference,
                                       body.include_special, rt.settings.token_budget)

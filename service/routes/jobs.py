@@ -5,7 +5,7 @@ from typing import Annotated, Optional
 from fastapi import APIRouter, Header, Query
 
 from embgeom.errors import InvalidInput
-from embgeom.queue import JobRequest
+from embgeom.store.jobs import JobRequest
 from service.deps import RuntimeDep
 from service.schemas import ErrorBody, JobCreate, JobCreated, JobStatus
 
@@ -13,15 +13,17 @@ router = APIRouter(prefix="/v1", tags=["jobs"])
 
 
 @router.post("/jobs", status_code=202, response_model=JobCreated,
-             responses={404: {"model": ErrorBody}, 413: {"model": ErrorBody},
-                        422: {"model": ErrorBody}, 429: {"model": ErrorBody}})
+             responses={404: {"model": ErrorBody}, 409: {"model": ErrorBody},
+                        413: {"model": ErrorBody}, 422: {"model": ErrorBody},
+                        429: {"model": ErrorBody}})
 def create_job(
     body: JobCreate,
     rt: RuntimeDep,
     idempotency_key: Annotated[Optional[str], Header(max_length=200)] = None,
 ) -> dict:
     """Queue texts for ingestion into a collection. The same ``Idempotency-Key`` returns
-    the first job and is counted once."""
+    the first job and is counted once. A collection that does not exist yet is created with
+    the default settings (and the job's ``include_special`` when it gives one)."""
     rt.registry.source(body.model)  # unknown alias -> 404 unknown_model
     limits = rt.settings
     if len(body.texts) > limits.max_job_texts:
@@ -31,10 +33,9 @@ def create_job(
     if size > limits.max_job_bytes:
         raise InvalidInput(f"{size} bytes of text exceed the limit of {limits.max_job_bytes} per job",
                            type="payload_too_large", limit=limits.max_job_bytes)
-    job_id, created = rt.queue.submit(
-        JobRequest(body.collection, body.model, body.texts, body.include_special),
-        rt.registry.names(), idempotency_key,
-    )
+    rt.collections.ensure(body.collection, body.include_special)
+    job_id, created = rt.queue.submit(JobRequest(body.collection, body.model, body.texts),
+                                      rt.registry.names(), idempotency_key)
     return {"job_id": job_id, "status": rt.queue.status(job_id)["status"], "created": created}
 
 

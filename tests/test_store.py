@@ -1,0 +1,359 @@
+"""The checkpoint protocol against a real Redis, with synthetic windows (no model).
+
+Each window's moments are built two-pass from raw random points; the yardstick is a
+two-pass float64 computation over *all* points of all windows (numpy only). Faults are
+injected at the instants a SIGKILL could hit (after some shard pieces, between the shards
+and the layer segments, before the completion) and the checkpoint is then redelivered
+(adopted) and finished: counts must stay exact and values two-pass.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import numpy as np
+import pytest
+import redis
+
+from embgeom.errors import CheckTooOld
+from embgeom.stats import LayerMoments, TokenMoments, WindowMoments
+from embgeom.store import keys as K
+from embgeom.store.checkpoints import Checkpointer, Held, new_checkpoint_id
+from embgeom.store.collections import Collections
+from embgeom.store.conf import CollectionSettings, PairConf, shard_of
+from embgeom.store.connection import async_redis_client, redis_client
+from embgeom.store.jobs import JobQueue, JobRequest
+from embgeom.store.reader import Reader, run_async, run_sync
+from embgeom.store.shards import ShardWriter, pieces_of
+
+L, D = 3, 5
+
+
+def points_window(rng, keys, offset=0.0):
+    """Raw points of one window: keys (m,) and x (m, L, D), plus its moments two-pass."""
+    x = offset + rng.standard_normal((len(keys), L, D)) + keys[:, None, None] % 7
+    ids = np.unique(keys)
+    n = np.array([(keys == i).sum() for i in ids])
+    mean = np.stack([x[keys == i].mean(0) for i in ids])
+    m2 = np.stack([((x[keys == i] - mean[j]) ** 2).sum((0, 2)) for j, i in enumerate(ids)])
+    u = x / np.linalg.norm(x, axis=2, keepdims=True)
+    unit = np.stack([u[keys == i].sum(0) for i in ids])
+    mu = x.mean(0)
+    com = np.einsum("mli,mlj->lij", x - mu, x - mu)
+    tokens = TokenMoments(ids.astype(np.int64), n, mean, m2, unit)
+    layers = LayerMoments(len(keys), mu, com, u.sum(0), (u * u).sum(0))
+    return x, tokens, layers
+
+
+def reference(all_keys, all_x):
+    ids = np.unique(all_keys)
+    n = np.array([(all_keys == i).sum() for i in ids])
+    mean = np.stack([all_x[all_keys == i].mean(0) for i in ids])
+    m2 = np.stack([((all_x[all_keys == i] - mean[j]) ** 2).sum((0, 2)) for j, i in enumerate(ids)])
+    mu = all_x.mean(0)
+    com = np.einsum("mli,mlj->lij", all_x - mu, all_x - mu)
+    return {"ids": ids, "n": n, "mean": mean, "m2": m2, "com": com, "mu": mu}
+
+
+@pytest.fixture
+def r(redis_server):
+    client = redis_client(redis_server.url)
+    yield client
+    client.close()
+
+
+def make_conf(r, pair, shards=4, chunk_bytes=100, self_similarity=True):
+    conf = PairConf.resolve(CollectionSettings(self_similarity=self_similarity), 0, L, D, 10**9,
+                            shards, chunk_bytes)
+    assert len(conf.chunks) > 2  # several co-moment chunks per layer are exercised
+    return Collections(r).ensure_conf(pair, conf)
+
+
+def held_jobs(r, pair, count):
+    """Jobs submitted and delivered (status running, with epochs), as a worker holds them."""
+    q = JobQueue(r)
+    for i in range(count):
+        q.submit(JobRequest(pair.collection, pair.model, [f"text {i}"]), [pair.model])
+    out = []
+    for _ in range(count):
+        d = q.take("w", [pair.model], 60, block_ms=0)
+        out.append(Held(d.job_id, d.entry_id, d.epoch, tokens=7))
+    return out
+
+
+def checkpoint(r, pair, conf, tokens, layers, jobs, piece_tokens=3, cpr=None):
+    cpr = cpr or Checkpointer(r, "w")
+    cp = new_checkpoint_id()
+    assert cpr.seal(pair, conf.gen, cp, jobs, pair.jobs, piece_tokens).status == "sealed"
+    out = cpr.apply_and_complete(pair, conf, cp, WindowMoments(tokens, layers), jobs, piece_tokens)
+    return cp, out
+
+
+def read_all(r, pair):
+    rd = Reader()
+    state = run_sync(r, rd.pair_state(pair))
+    return (state, run_sync(r, rd.heads(state)), run_sync(r, rd.aggs(state)),
+            run_sync(r, rd.scalars(state)),
+            [run_sync(r, rd.covariance(state, p)) for p in range(L)],
+            run_sync(r, rd.means(state, list(range(L)))))
+
+
+def assert_matches(r, pair, ref, rel=1e-10):
+    state, heads, aggs, scal, covs, (ids, n, m2, mean) = read_all(r, pair)
+    np.testing.assert_array_equal(scal.ids, ref["ids"])
+    np.testing.assert_array_equal(scal.n, ref["n"])
+    np.testing.assert_array_equal(ids, ref["ids"])
+    np.testing.assert_array_equal(n, ref["n"])
+    N = int(ref["n"].sum())
+    assert heads["n"] == N and aggs["count"] == N and aggs["types"] == len(ref["ids"])
+    q = float(np.max(np.sum(ref["mean"] ** 2, axis=2))) + float(np.max(ref["m2"] / ref["n"][:, None]))
+    np.testing.assert_allclose(mean, ref["mean"], rtol=0, atol=rel * np.sqrt(q))
+    np.testing.assert_allclose(m2, ref["m2"], rtol=0, atol=rel * N * q)
+    np.testing.assert_allclose(scal.m2, ref["m2"], rtol=0, atol=rel * N * q)
+    np.testing.assert_allclose(scal.M, np.sum(ref["mean"] ** 2, axis=2), rtol=0, atol=rel * q)
+    np.testing.assert_allclose(aggs["within"], ref["m2"].sum(0), rtol=0, atol=rel * N * q)
+    np.testing.assert_allclose(heads["mean"], ref["mu"], rtol=0, atol=rel * np.sqrt(q))
+    for p in range(L):
+        np.testing.assert_allclose(covs[p]["comoment"], ref["com"][p], rtol=0, atol=rel * N * q)
+        assert covs[p]["n"] == N
+    assert state.applying == 0
+    return state
+
+
+def test_checkpoints_merge_exactly(r):
+    pair = K.PairKeys("c", "m")
+    conf = make_conf(r, pair)
+    rng = np.random.default_rng(0)
+    all_k, all_x = [], []
+    for w in range(4):
+        keys = rng.integers(0, 30, size=60 + 10 * w)
+        x, tok, lay = points_window(rng, keys)
+        all_k.append(keys), all_x.append(x)
+        cp, out = checkpoint(r, pair, conf, tok, lay, held_jobs(r, pair, 2))
+        assert out.status == "completed" and out.version == w + 1
+        assert out.shards.pieces >= conf.shards  # several pieces per shard (3 tokens each)
+    state = assert_matches(r, pair, reference(np.concatenate(all_k), np.concatenate(all_x)))
+    assert state.version == 4
+    # every job of the windows is done, with the tokens its worker counted
+    for raw in r.keys("eg:{c:m}:job:*"):
+        assert r.hget(raw, "status") == b"done" and r.hget(raw, "tokens") == b"7"
+    assert not r.keys("eg:{c:m}:payload:*")
+
+
+def test_layer_segments_fold_without_changing_a_value(r):
+    pair = K.PairKeys("f", "m")
+    conf = make_conf(r, pair)
+    rng = np.random.default_rng(1)
+    cpr = Checkpointer(r, "w", max_segments=2)
+    all_k, all_x = [], []
+    folded = 0
+    for w in range(7):
+        keys = rng.integers(0, 20, size=40)
+        x, tok, lay = points_window(rng, keys, offset=50.0)
+        all_k.append(keys), all_x.append(x)
+        folded += checkpoint(r, pair, conf, tok, lay, held_jobs(r, pair, 1), cpr=cpr)[1].folded
+    assert folded > 0
+    head = r.hgetall(pair.parts(0).head.seg)
+    assert b"base" in head and len(head) <= 3
+    assert_matches(r, pair, reference(np.concatenate(all_k), np.concatenate(all_x)))
+
+
+class Crash(Exception):
+    pass
+
+
+class CrashingShards(ShardWriter):
+    """Dies (raises) after writing ``after`` rounds of shard pieces."""
+
+    def __init__(self, *args, after, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.after = after
+
+    def _write(self, *args, **kwargs):
+        if self.after == 0:
+            raise Crash()
+        self.after -= 1
+        return super()._write(*args, **kwargs)
+
+
+@pytest.mark.parametrize("crash_after", [0, 1, 3])
+def test_checkpoint_redelivered_after_some_shards_counts_once(r, crash_after):
+    """A worker dies mid-checkpoint (after some shards' pieces); the next delivery of one
+    of its jobs adopts the checkpoint, recomputes it and applies only what is missing."""
+    pair = K.PairKeys(f"crash{crash_after}", "m")
+    conf = make_conf(r, pair)
+    rng = np.random.default_rng(2)
+    keys = rng.integers(0, 40, size=200)
+    x, tok, lay = points_window(rng, keys)
+    jobs = held_jobs(r, pair, 3)
+    dying = Checkpointer(r, "dying", lease_ms=200)
+    dying.shards = CrashingShards(r, "dying", lock_ms=200, after=crash_after)
+    dying.shards.group_bytes = 1  # one shard per round: the crash lands between shards
+    cp = new_checkpoint_id()
+    assert dying.seal(pair, 0, cp, jobs, pair.jobs, 3).status == "sealed"
+    with pytest.raises(Crash):
+        dying.apply_and_complete(pair, conf, cp, WindowMoments(tok, lay), jobs, 3)
+    applied = sum(len(r.hget(pair.parts(0).shard(s).applied, cp) or b"") > 0 for s in range(conf.shards))
+    assert applied == crash_after
+    assert r.zcard(pair.inflight) == 1  # sealed, not complete: never abandoned
+
+    # The job comes back; its delivery names the checkpoint; the adopter takes it over
+    # (only once the dead owner's lease is gone) and redoes it from the same texts.
+    adopter = Checkpointer(r, "adopter")
+    time.sleep(0.3)
+    record = adopter.adopt(pair, cp)
+    assert record is not None and record["jobs"] == [j.job_id for j in jobs]
+    assert record["epochs"] == [j.epoch + 1 for j in jobs]  # the dead owner is fenced
+    again = [Held(j, e, ep, 7) for j, e, ep in zip(record["jobs"], record["entries"], record["epochs"])]
+    out = adopter.apply_and_complete(pair, conf, cp, WindowMoments(tok, lay), again,
+                                     record["piece_tokens"])
+    assert out.status == "completed"
+    total_pieces = len(pieces_of(tok.ids, conf, 3))
+    assert out.shards.pieces + out.shards.pieces_skipped == total_pieces
+    assert (out.shards.pieces_skipped > 0) == (crash_after > 0)
+    assert_matches(r, pair, reference(keys, x))
+    # a late completion by the dead owner's code path finds it done: nothing twice
+    assert dying.complete(pair, conf, cp, jobs, [])[0] == "already"
+    assert_matches(r, pair, reference(keys, x))
+
+
+def test_adopt_waits_for_a_live_owner(r):
+    pair = K.PairKeys("live", "m")
+    conf = make_conf(r, pair)
+    jobs = held_jobs(r, pair, 1)
+    cp = new_checkpoint_id()
+    owner = Checkpointer(r, "owner", lease_ms=60_000)
+    assert owner.seal(pair, conf.gen, cp, jobs, pair.jobs, 3).status == "sealed"
+    assert Checkpointer(r, "other").adopt(pair, cp) is None  # its owner is alive
+    assert owner.renew(pair, cp)
+
+
+def test_seal_refuses_a_job_taken_over(r):
+    pair = K.PairKeys("fence", "m")
+    conf = make_conf(r, pair)
+    jobs = held_jobs(r, pair, 2)
+    r.hincrby(pair.job(jobs[1].job_id), "epoch", 1)  # a newer delivery owns job 2
+    res = Checkpointer(r, "w").seal(pair, conf.gen, new_checkpoint_id(), jobs, pair.jobs, 3)
+    assert res.status == "lost" and res.lost == jobs[1].job_id
+    assert r.zcard(pair.inflight) == 0 and r.hget(pair.job(jobs[0].job_id), "checkpoint") == b""
+
+
+def test_two_writers_on_the_same_shards_both_count(r):
+    """Concurrent checkpoints touching the same tokens: fenced try-locks serialise each
+    shard, nothing is lost or doubled."""
+    pair = K.PairKeys("race", "m")
+    conf = make_conf(r, pair, shards=2)
+    rng = np.random.default_rng(4)
+    keys = [rng.integers(0, 12, size=80) for _ in range(6)]
+    windows = [points_window(rng, k) for k in keys]
+    jobs = [held_jobs(r, pair, 1) for _ in windows]
+    errors = []
+
+    def run(i):
+        try:
+            _, tok, lay = windows[i]
+            checkpoint(r, pair, conf, tok, lay, jobs[i], cpr=Checkpointer(r, f"w{i}"))
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(6)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert not errors, errors
+    state = assert_matches(r, pair, reference(np.concatenate(keys),
+                                              np.concatenate([w[0] for w in windows])))
+    assert state.version == 6
+
+
+def test_deleted_generation_refuses_late_writes_and_voids_the_jobs(r):
+    pair = K.PairKeys("gone", "m")
+    conf = make_conf(r, pair)
+    rng = np.random.default_rng(5)
+    x, tok, lay = points_window(rng, rng.integers(0, 10, size=30))
+    checkpoint(r, pair, conf, tok, lay, held_jobs(r, pair, 1))
+    jobs = held_jobs(r, pair, 1)
+    cp = new_checkpoint_id()
+    cpr = Checkpointer(r, "w")
+    assert cpr.seal(pair, 0, cp, jobs, pair.jobs, 3).status == "sealed"
+    r.sadd(K.PAIRS, pair.pair)
+    Collections(r).delete_pair(pair)  # DELETE lands mid-checkpoint
+    assert int(r.get(pair.gen)) == 1
+    assert not r.exists(pair.parts(0).shard(0).rec)
+    out = cpr.apply_and_complete(pair, conf, cp, WindowMoments(tok, lay), jobs, 3)
+    assert out.status == "void"
+    assert cpr.complete(pair, conf, cp, jobs, [])[0] == "already"
+    assert r.hget(pair.job(jobs[0].job_id), "status") == b"failed"
+    assert not r.exists(pair.parts(0).shard(0).rec)  # nothing resurrected
+
+
+def test_stale_in_flight_check_is_refused(r):
+    pair = K.PairKeys("stale", "m")
+    conf = make_conf(r, pair)
+    rng = np.random.default_rng(6)
+    _, tok, lay = points_window(rng, rng.integers(0, 10, size=30))
+    jobs = held_jobs(r, pair, 1)
+    cpr = Checkpointer(r, "w", horizon_ms=2000)
+    cp = new_checkpoint_id()
+    cpr.seal(pair, 0, cp, jobs, pair.jobs, 3)
+    sec, usec = r.time()
+    long_ago = int(sec) * 1000 + int(usec) // 1000 - 10_000
+    with pytest.raises(CheckTooOld):
+        cpr.shards.apply(pair.parts(0), conf, cp, tok, 3, lambda: long_ago)
+    assert not r.exists(pair.parts(0).shard(0).rec)  # refused before writing a byte
+
+
+def test_markers_are_pruned_after_the_horizon(r):
+    pair = K.PairKeys("prune", "m")
+    conf = make_conf(r, pair)
+    rng = np.random.default_rng(7)
+    _, tok, lay = points_window(rng, rng.integers(0, 10, size=30))
+    cpr = Checkpointer(r, "w", horizon_ms=400)
+    cp, _ = checkpoint(r, pair, conf, tok, lay, held_jobs(r, pair, 1), cpr=cpr)
+    assert cpr.prune(pair, conf) == 0  # completed just now: its markers are still needed
+    shards = sorted(set(shard_of(tok.ids, conf.shards).tolist()))
+    assert all(r.hexists(pair.parts(0).shard(s).applied, cp) for s in shards)
+    time.sleep(0.45)
+    assert cpr.prune(pair, conf) == 1
+    assert not any(r.hexists(pair.parts(0).shard(s).applied, cp) for s in range(conf.shards))
+    assert r.zcard(pair.done) == 0
+
+
+def test_async_reads_equal_sync_reads(r, redis_server):
+    pair = K.PairKeys("async", "m")
+    conf = make_conf(r, pair)
+    rng = np.random.default_rng(8)
+    _, tok, lay = points_window(rng, rng.integers(0, 25, size=90))
+    checkpoint(r, pair, conf, tok, lay, held_jobs(r, pair, 1))
+    r.sadd(K.PAIRS, pair.pair)
+    rd = Reader()
+
+    async def both():
+        a = async_redis_client(redis_server.url)
+        try:
+            state = await run_async(a, rd.pair_state(pair))
+            return (await run_async(a, rd.scalars(state)), await run_async(a, rd.heads(state)),
+                    await run_async(a, rd.covariance(state, 1)))
+        finally:
+            await a.aclose()
+
+    scal_a, heads_a, cov_a = asyncio.run(both())
+    state = run_sync(r, rd.pair_state(pair))
+    scal_s = run_sync(r, Reader().scalars(state))
+    np.testing.assert_array_equal(scal_a.ids, scal_s.ids)
+    np.testing.assert_array_equal(scal_a.M, scal_s.M)
+    np.testing.assert_array_equal(heads_a["mean"], run_sync(r, rd.heads(state))["mean"])
+    np.testing.assert_array_equal(cov_a["comoment"], run_sync(r, rd.covariance(state, 1))["comoment"])
+
+
+def test_pieces_are_deterministic_and_cover_each_token_once():
+    conf = PairConf.resolve(CollectionSettings(), 0, L, D, 10**9, 7, 1 << 20)
+    ids = np.unique(np.random.default_rng(9).integers(0, 10**6, size=500))
+    a, b = pieces_of(ids, conf, 11), pieces_of(ids, conf, 11)
+    assert [(s, p, rows.tolist()) for s, p, rows in a] == [(s, p, rows.tolist()) for s, p, rows in b]
+    rows = np.concatenate([rows for _, _, rows in a])
+    assert sorted(rows.tolist()) == list(range(len(ids)))
+    assert all(len(rows) <= 11 for _, _, rows in a)
+    for s, _, rows in a:
+        assert (shard_of(ids[rows], conf.shards) == s).all()
