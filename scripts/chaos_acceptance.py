@@ -47,9 +47,9 @@ import redis  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from embgeom import keys as K  # noqa: E402
+from embgeom.store import keys as K  # noqa: E402
 from embgeom.corpora import bbc_texts, split  # noqa: E402
-from embgeom.redis_server import RedisServer, free_port  # noqa: E402
+from embgeom.store.server import RedisServer, free_port  # noqa: E402
 
 MODEL = "minilm"
 COLLECTION = "chaos"

@@ -115,7 +115,8 @@ def test_statistics_survive_restart_and_keep_growing(tmp_path):
             assert [s["status"] for s in first] == ["done", "done"], first
             before = read_all(client, "persist")
             assert before["layers"]["layers"][0]["n"] == sum(s["tokens"] for s in first) > 0
-            assert before["layers"]["as_of"]["version"] == 2
+            # one checkpoint per job, or one for both (a window of two jobs)
+            assert before["layers"]["as_of"]["version"] in (1, 2)
     finally:
         # 2. SIGTERM: a clean exit
         rc = proc.terminate(timeout=90)
@@ -149,7 +150,7 @@ def test_statistics_survive_restart_and_keep_growing(tmp_path):
 
     n_before = before["layers"]["layers"][0]["n"]
     assert grown["layers"]["layers"][0]["n"] == n_before + statuses[0]["tokens"]
-    assert grown["layers"]["as_of"]["version"] == 3
+    assert grown["layers"]["as_of"]["version"] == before["layers"]["as_of"]["version"] + 1
 
     errors: dict[str, float] = {}
     problems = compare(ctrl, grown, EXACT_REL, "restart vs control", errors)

@@ -258,3 +258,25 @@ def test_window_equals_two_pass_for_any_split(seed, rows, vocab, d, offset, part
     close(tok.m2, ref_tok["m2"], N * max(v, 1e-300), 1e-8 if offset < 1e3 else 1e-6)
     close(tok.mean, ref_tok["mean"], np.sqrt(q), REL64)
     close(lay.comoment, ref_lay["com"], N * q, REL64)
+
+
+def test_fp32_comoment_keeps_dimensions_of_any_scale():
+    """A dimension whose values are ~1e-32 (MiniLM's last layer has LayerNorm weights of
+    that size) has a variance ~1e-64, below float32's range: the reduction scales each
+    dimension by a power of two before its GEMM, so that variance and the dimension's
+    correlations still come out to float32 precision of their own scale."""
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((1, 200, 4))
+    x[..., 1] *= 1e-32
+    x[..., 2] = x[..., 2] * 1e20 + 3e20  # and a huge one
+    x[..., 3] = 0.5 * x[..., 0] + 0.5 * rng.standard_normal((1, 200)) * 1e-30 / 1e-30
+    h = torch.from_numpy(x.astype(np.float32))
+    keys = torch.zeros((1, 200), dtype=torch.long)
+    counted = torch.ones((1, 200), dtype=torch.bool)
+    _, lay = reduce_batch([h], [0], keys, counted, precision="fp32")
+    _, ref, N = ref_reduce([h], [0], keys, counted)
+    C, R = lay.comoment[0].numpy(), ref["com"][0]
+    np.testing.assert_allclose(np.diag(C), np.diag(R), rtol=1e-5)
+    corr = C / np.sqrt(np.outer(np.diag(C), np.diag(C)))
+    corr_ref = R / np.sqrt(np.outer(np.diag(R), np.diag(R)))
+    np.testing.assert_allclose(corr, corr_ref, atol=1e-5)

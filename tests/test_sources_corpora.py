@@ -14,7 +14,7 @@ from collections import Counter
 import pytest
 
 from embgeom import corpora, sources
-from embgeom.bench import DENSE_MODELS
+from benchmarks.shapes import DENSE_MODELS
 
 
 # ----------------------------------------------------------------------------- sources

@@ -104,11 +104,18 @@ def reduce_batch(hidden_states: Sequence[torch.Tensor], layers: Sequence[int], k
         tok_mean[:, sel] = centre + offset.to(F64)
         # Co-moment about c, one batched GEMM, then moved to the batch mean c + xbar:
         # C = sum (x-c)(x-c)^T - N xbar xbar^T, xbar = mean(x - c), tiny by construction.
-        xt = x.transpose(0, 1)                                   # (G, N, d)
+        # Each dimension is first scaled by a power of two (exact) to bring its largest
+        # deviation near 1: a dimension whose values are ~1e-32 (a LayerNorm weight of
+        # ~0) would otherwise see its squares underflow float32 to 0.
         xbar = x.sum(dim=0, dtype=F64) / N
+        amax = x.abs().amax(dim=0)                               # (G, d)
+        scale = torch.where(amax > 0, torch.exp2(-torch.floor(torch.log2(amax))),
+                            torch.ones_like(amax))
+        xt = (x * scale).transpose(0, 1)                         # (G, N, d), exact
+        scale64 = scale.to(F64)
         lay_com[sel] = torch.bmm(xt.transpose(1, 2), xt).to(F64) \
-            - N * xbar[:, :, None] * xbar[:, None, :]
+            / (scale64[:, :, None] * scale64[:, None, :]) - N * xbar[:, :, None] * xbar[:, None, :]
         lay_mean[sel] = centre + xbar
-        del x, xt, sums, offset
+        del x, xt, sums, offset, scale
     tokens = TokenMoments(ids=ids, n=n64, mean=tok_mean, m2=tok_m2, unit_sum=tok_unit)
     return tokens, LayerMoments(N, lay_mean, lay_com, lay_unit, lay_unit_sq)

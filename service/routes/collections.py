@@ -3,7 +3,7 @@ from __future__ import annotations
 from typing import Annotated, Literal, Optional
 
 from fastapi import APIRouter, Query
-from fastapi.responses import ORJSONResponse
+from service.encoding import FastJSON
 
 from embgeom import reports
 from embgeom.errors import NotFound
@@ -42,7 +42,7 @@ def put_collection(collection: CollectionDep, body: CollectionSettingsIn, rt: Ru
     settings, created = rt.collections.put(collection, settings)
     out = {"name": collection, "settings": settings.to_dict(), "created": created,
            "models": rt.collections.pairs().get(collection, [])}
-    return ORJSONResponse(out, status_code=201 if created else 200)
+    return FastJSON(out, status_code=201 if created else 200)
 
 
 @router.get("/{collection}", response_model=CollectionInfo)
@@ -70,7 +70,7 @@ async def layers(pair: PairDep, rt: RuntimeDep,
     rows, as_of = await run_async(rt.aredis, reports.layer_rows(rt.reader, pair, None, f))
     for row in rows:
         row.update(f.to_dict())
-    return ORJSONResponse({"collection": pair.collection, "model": pair.model, **f.to_dict(),
+    return FastJSON({"collection": pair.collection, "model": pair.model, **f.to_dict(),
                            "layers": rows, "as_of": as_of})
 
 
@@ -81,7 +81,7 @@ async def decomposition(pair: PairDep, layer: LayerDep, rt: RuntimeDep,
     f = reports.CountFilter(min_count, max_count)
     rows, as_of = await run_async(rt.aredis, reports.layer_rows(rt.reader, pair, [layer], f,
                                                                  with_summary=False))
-    return ORJSONResponse({**rows[0], **f.to_dict(), "as_of": as_of})
+    return FastJSON({**rows[0], **f.to_dict(), "as_of": as_of})
 
 
 @router.get("/{collection}/models/{model}/layers/{layer}/tokens", response_model=TokenPage)
@@ -93,11 +93,11 @@ async def tokens(pair: PairDep, layer: LayerDep, rt: RuntimeDep,
     page = await run_async(rt.aredis, reports.token_page(
         rt.reader, pair, layer, rt.registry.tokenizer(pair.model), order_by, desc, limit, cursor,
         reports.CountFilter(min_count, max_count), token))
-    return ORJSONResponse(page)
+    return FastJSON(page)
 
 
 @router.get("/{collection}/models/{model}/layers/{layer}/tokens/{token_id}", response_model=TokenDetail)
 async def token(pair: PairDep, layer: LayerDep, token_id: int, rt: RuntimeDep):
     detail = await run_async(rt.aredis, reports.token_detail(
         rt.reader, pair, layer, token_id, rt.registry.tokenizer(pair.model)))
-    return ORJSONResponse(detail)
+    return FastJSON(detail)
