@@ -444,15 +444,18 @@ class Worker:
                                 "the collection was deleted while the job was running", epoch=d.epoch)
                 self._release(d)
             return "void"
-        if sealed.status == "lost":
-            log.warning("job %s was taken over before its checkpoint; the window's other jobs "
-                        "go back to the queue", sealed.lost)
+        if sealed.status in ("lost", "duplicate"):
+            # Another delivery owns (or has counted) that job: this window cannot be
+            # committed as it is; its other jobs go back to the queue, uncounted.
+            log.warning("job %s was %s before this window's checkpoint; its other jobs go back "
+                        "to the queue", sealed.lost,
+                        "counted by another delivery" if sealed.status == "duplicate" else "taken over")
             for d in w.deliveries:
                 if d.job_id == sealed.lost or d.job_id in self._lost:
                     self._release(d)
                 else:
                     self._hand_back(d)
-            return "lost"
+            return sealed.status
         return self._apply_sealed(w.pair, w.conf, cp, moments, w.held, w.stream, piece_tokens,
                                   w.deliveries)
 

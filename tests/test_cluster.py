@@ -190,9 +190,18 @@ def test_cluster_matches_standalone(cluster, standalone, tmp_path):
     assert slots["alpha"] != slots["gamma"], slots
     nodes = {c: rc.get_node_from_key(p.meta).name for c, p in pairs.items()}
     assert nodes["alpha"] != nodes["gamma"], nodes
-    for p in pairs.values():  # every key of a pair hashes to the pair's slot
-        for key in (p.jobs, p.job("x"), p.payload("x"), p.idem("k"), p.gen, p.tok(3), p.cov(0)):
+    for p in pairs.values():  # every control key of a pair hashes to the pair's slot
+        for key in (p.jobs, p.job("x"), p.payload("x"), p.idem("k"), p.gen, p.conf(0),
+                    p.inflight, p.checkpoint("x"), p.done):
             assert rc.execute_command("CLUSTER KEYSLOT", key) == slots[p.collection]
+        # ... and its accumulator parts spread over every master (each shard and layer part
+        # in its own slot, all keys of one part in one).
+        parts = p.parts(0)
+        shard_nodes = {rc.get_node_from_key(parts.shard(s).rec).name for s in range(32)}
+        assert len(shard_nodes) == 3, shard_nodes
+        for s in (0, 7):
+            keys = [getattr(parts.shard(s), k) for k in ("rec", "unit", "scal", "bkt", "agg", "applied", "lock", "dead")]
+            assert len({rc.execute_command("CLUSTER KEYSLOT", k) for k in keys}) == 1
 
     fleet = Fleet(cluster.url, tmp_path)
     try:
@@ -229,7 +238,8 @@ def test_cluster_matches_standalone(cluster, standalone, tmp_path):
             worst = {c: _compare(standalone[c], got[c]) for c in JOBS}
             tokenizer = ModelRegistry.from_settings(api_settings(cluster.url)).tokenizer(MODEL)
             for c, jobs in JOBS.items():
-                assert rc.scard(pairs[c].committed) == len(jobs)
+                statuses = [rc.hget(pairs[c].job(j), "status") for j in ids[c]]
+                assert statuses == [b"done"] * len(jobs)
                 want: Counter = Counter()
                 for texts in jobs:
                     want += expected_counts(tokenizer, texts)
@@ -244,7 +254,11 @@ def test_cluster_matches_standalone(cluster, standalone, tmp_path):
             r = client.delete("/v1/collections/gamma")
             assert r.status_code == 200 and r.json()["models"] == [MODEL]
             assert [c["name"] for c in client.get("/v1/collections").json()] == ["alpha"]
-            assert rc.exists(pairs["gamma"].meta, pairs["gamma"].tok(0)) == 0
+            gone = pairs["gamma"].parts(0)
+            assert rc.exists(pairs["gamma"].meta) == 0
+            assert not any(rc.exists(gone.shard(s).rec) for s in range(32))
+            assert rc.exists(gone.head.seg) == 0
+            assert all(rc.exists(gone.shard(s).dead) for s in range(32))  # late writes refused
             assert client.get(f"/v1/collections/gamma/models/{MODEL}/layers").status_code == 404
             assert client.get(f"/v1/collections/alpha/models/{MODEL}/layers/0/decomposition") \
                 .json()["n"] == standalone["alpha"]["layers"][0]["n"]

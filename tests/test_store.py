@@ -26,6 +26,7 @@ from embgeom.store.conf import CollectionSettings, PairConf, shard_of
 from embgeom.store.connection import async_redis_client, redis_client
 from embgeom.store.jobs import JobQueue, JobRequest
 from embgeom.store.reader import Reader, run_async, run_sync
+from embgeom.store.scripts import NOW
 from embgeom.store.shards import ShardWriter, pieces_of
 
 L, D = 3, 5
@@ -297,8 +298,7 @@ def test_stale_in_flight_check_is_refused(r):
     cpr = Checkpointer(r, "w", horizon_ms=2000)
     cp = new_checkpoint_id()
     cpr.seal(pair, 0, cp, jobs, pair.jobs, 3)
-    sec, usec = r.time()
-    long_ago = int(sec) * 1000 + int(usec) // 1000 - 10_000
+    long_ago = int(NOW(r, [pair.done], [])) - 10_000
     with pytest.raises(CheckTooOld):
         cpr.shards.apply(pair.parts(0), conf, cp, tok, 3, lambda: long_ago)
     assert not r.exists(pair.parts(0).shard(0).rec)  # refused before writing a byte

@@ -41,7 +41,7 @@ from embgeom.stats import WindowMoments
 from embgeom.store.conf import PairConf, shard_of
 from embgeom.store.keys import PairKeys
 from embgeom.store.layers import LayerWriter, layer_parts
-from embgeom.store.scripts import ADOPT, COMPLETE, RENEW, SEAL
+from embgeom.store.scripts import ADOPT, CHECK, COMPLETE, NOW, RENEW, SEAL
 from embgeom.store.shards import ApplyStats, ShardWriter
 
 log = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ class Held:
 
 @dataclass(frozen=True)
 class SealResult:
-    status: str            # "sealed" | "lost" | "void"
+    status: str            # "sealed" | "lost" | "duplicate" | "void"
     lost: Optional[str] = None  # the job no longer ours
 
 
@@ -112,7 +112,7 @@ class Checkpointer:
             return SealResult("sealed")
         if status == -1:
             return SealResult("void")
-        return SealResult("lost", jobs[int(arg) - 1].job_id)
+        return SealResult("duplicate" if status == 2 else "lost", jobs[int(arg) - 1].job_id)
 
     def record(self, pair: PairKeys, cp: str) -> Optional[dict]:
         raw = self.r.hgetall(pair.checkpoint(cp))
@@ -141,13 +141,10 @@ class Checkpointer:
     # ---------------------------------------------------------------- commit
     def _check(self, pair: PairKeys, cp: str) -> int:
         """Still in flight? Returns Redis's time (ms) of the check."""
-        with self.r.pipeline(transaction=False) as p:
-            p.zscore(pair.inflight, cp)
-            p.time()
-            score, (sec, usec) = p.execute()
-        if score is None:
+        live, now = CHECK(self.r, [pair.inflight], [cp])
+        if not live:
             raise CheckpointGone(f"checkpoint {cp} is no longer in flight")
-        return int(sec) * 1000 + int(usec) // 1000
+        return int(now)
 
     def apply_and_complete(self, pair: PairKeys, conf: PairConf, cp: str, window: WindowMoments,
                            jobs: list[Held], piece_tokens: int) -> CommitResult:
@@ -190,8 +187,7 @@ class Checkpointer:
     # ----------------------------------------------------------------- prune
     def prune(self, pair: PairKeys, conf: PairConf, limit: int = 64) -> int:
         """Drop the markers of checkpoints completed more than the horizon ago."""
-        sec, usec = self.r.time()
-        now = int(sec) * 1000 + int(usec) // 1000
+        now = int(NOW(self.r, [pair.done], []))
         due = self.r.zrangebyscore(pair.done, "-inf", now - self.horizon_ms, start=0, num=limit)
         if not due:
             return 0

@@ -14,7 +14,7 @@ import hashlib
 
 import redis
 
-__all__ = ["Script", "SEAL", "COMPLETE", "ADOPT", "RENEW", "APPLY_PIECE", "PUT_SEGMENT", "FOLD",
+__all__ = ["Script", "CHECK", "NOW", "SEAL", "COMPLETE", "ADOPT", "RENEW", "APPLY_PIECE", "PUT_SEGMENT", "FOLD",
            "KILL_PART", "PROGRESS", "REFRESH"]
 
 _NOW = """
@@ -40,17 +40,32 @@ class Script:
 
     def queue(self, pipe, keys, args) -> None:
         """Queue on a pipeline; EVAL (not EVALSHA) so no reply can be NOSCRIPT. The script
-        body is cached by the server after its first run; its text is ~2 kB per call."""
-        pipe.eval(self.source, len(keys), *keys, *args)
+        body is cached by the server after its first run; its text is ~2 kB per call.
+        Sent as a raw command: redis-py's cluster pipeline routes EVAL by its keys but
+        blocks its ``eval``/``evalsha`` helpers."""
+        pipe.execute_command("EVAL", self.source, len(keys), *keys, *args)
 
+
+# Is a checkpoint still in flight, and when is it (Redis's clock, in the pair's slot)?
+# KEYS: inflight. ARGV: cp -> {1 | 0, now}
+CHECK = Script("""
+return {redis.call('ZSCORE', KEYS[1], ARGV[1]) and 1 or 0, now}
+""")
+
+# Redis's clock on the node of KEYS[1] (TIME cannot be routed by key on a cluster).
+NOW = Script("""
+return now
+""")
 
 # Seal: the jobs of a window become one checkpoint, atomically, if this worker still owns
 # every one of them. KEYS: gen, inflight, cp, job... ARGV: cp, gen, record, owner,
-# lease_ms, epoch... -> {1, now} | {0, i} (job i is not ours) | {-1, 0} (collection deleted)
+# lease_ms, epoch... -> {1, now} | {0, i} (job i is not ours) | {2, i} (job i was counted
+# already, by another delivery) | {-1, 0} (collection deleted)
 SEAL = Script("""
 if (redis.call('GET', KEYS[1]) or '0') ~= ARGV[2] then return {-1, 0} end
 for i = 4, #KEYS do
   local st = redis.call('HMGET', KEYS[i], 'status', 'epoch', 'checkpoint', 'gen')
+  if st[1] == 'done' then return {2, i - 3} end
   if st[1] ~= 'running' or st[2] ~= ARGV[i + 2] or (st[4] or '0') ~= ARGV[2]
      or (st[3] and st[3] ~= '' and st[3] ~= ARGV[1]) then
     return {0, i - 3}
