@@ -14,6 +14,7 @@ DENSE_MODELS: dict[str, tuple[int, int, int]] = {
 # Synthetic shapes of the host-ceiling benchmark: (hidden_states, d, kept layers, self-sim).
 REPLAY_SHAPES: dict[str, dict] = {
     "minilm": {"layers": 7, "d": 384, "keep": None, "self_similarity": True},
+    "minilm_nosim": {"layers": 7, "d": 384, "keep": None, "self_similarity": False},
     "mpnet_shape": {"layers": 13, "d": 768, "keep": None, "self_similarity": True},
     "1b_shape": {"layers": 17, "d": 2048, "keep": [0, 4, 8, 12, 16], "self_similarity": False},
     "1b_shape_all_layers": {"layers": 17, "d": 2048, "keep": None, "self_similarity": False},

@@ -120,7 +120,10 @@ class Settings(BaseSettings):
     api_key: Optional[str] = Field(None, description="Bearer token required on /v1 when set")
 
     # Workers
-    embedded_workers: int = Field(1, ge=0, description="In-process workers when embedded")
+    embedded_workers: int = Field(1, ge=0, description="Worker processes started by an embedded serve")
+    embedded_worker_nice: int = Field(
+        10, ge=0, le=19, description="Scheduling niceness of those workers: reads stay fast while "
+                                     "they ingest on the same cores")
     lease_seconds: float = Field(
         60.0, gt=0, description="A job idle this long is taken over from a silent worker"
     )

@@ -142,12 +142,16 @@ class Worker:
         self._lost: set[str] = set()                  # held jobs another delivery took over
         self._current: Optional[Delivery] = None
         self._progress: Optional[tuple[float, int]] = None
-        self._sealed: Optional[tuple[K.PairKeys, str]] = None
+        self._sealed: dict[str, K.PairKeys] = {}      # checkpoints being applied -> pair
         self._ready: queue_mod.Queue = queue_mod.Queue(maxsize=max(1, settings.prefetch_jobs))
         self._affinity: Optional[str] = None          # the stream whose window is open
         self._feeder_idle = threading.Event()
         self.jobs_done = 0
         self.checkpoints = 0
+        self._last_window_size = 0
+        self._applying: queue_mod.Queue = queue_mod.Queue(maxsize=1)
+        self._applier_idle = threading.Event()
+        self._applier_idle.set()
 
     # ---------------------------------------------------------------- control
     def request_stop(self, grace_seconds: float = 30.0) -> None:
@@ -159,7 +163,9 @@ class Worker:
         log.info("worker %s serving %s", self.id, ", ".join(self.models))
         beat = threading.Thread(target=self._heartbeat_loop, name=f"heartbeat-{self.id}", daemon=True)
         feeder = threading.Thread(target=self._feeder_loop, name=f"feeder-{self.id}", daemon=True)
+        applier = threading.Thread(target=self._applier_loop, name=f"applier-{self.id}", daemon=True)
         beat.start()
+        applier.start()
         try:
             self.queue.prune_consumers(self.models)
         except redis.RedisError as exc:
@@ -188,6 +194,8 @@ class Worker:
             self.stop_event.set()
             feeder.join(timeout=30)
             self._hand_back_ready()
+            self._applying.put(None)
+            applier.join(timeout=600)
             self._beat_stop.set()
             beat.join(timeout=5)
             try:
@@ -205,20 +213,21 @@ class Worker:
             item = None
         if item is None:
             if self.window is not None and (self._feeder_idle.is_set() or self._window_due()):
-                self.checkpoint()
+                self.checkpoint(background=True)
             return
         self.process(item)
         if self.window is not None and self._window_due():
-            self.checkpoint()
+            self.checkpoint(background=True)
 
     def _finish(self) -> None:
         """After a stop request: checkpoint what is done (a sealed window is applied even
-        past the grace period: it can no longer be handed back)."""
+        past the grace period: it can no longer be handed back), and wait for it."""
         if self.window is not None:
             if self._stop_deadline is not None and time.monotonic() > self._stop_deadline:
                 self._drop_window(hand_back=True)
             else:
                 self.checkpoint()
+        self._applier_idle.wait()
 
     # ------------------------------------------------------------------ feeder
     def _feeder_loop(self) -> None:
@@ -309,7 +318,9 @@ class Worker:
 
     def _accumulator(self, conf: PairConf, engine) -> WindowAccumulator:
         device = getattr(getattr(engine, "loaded", None), "device", "cpu")
-        return WindowAccumulator(conf.L, conf.d, conf.self_similarity, device)
+        # Start at the size the last window reached: growing by doubling copies everything.
+        return WindowAccumulator(conf.L, conf.d, conf.self_similarity, device,
+                                 capacity=max(1024, self._last_window_size))
 
     # ------------------------------------------------------------------- jobs
     def process(self, item: Prepared) -> str:
@@ -361,11 +372,19 @@ class Worker:
         return "merged"
 
     def _window_due(self) -> bool:
+        """The window's budget is spent. While the previous checkpoint is still being
+        applied, the window keeps growing (up to its byte budget, or four times its time
+        budget): Redis is the bottleneck then, and a larger window writes fewer bytes per
+        token (Heaps' law)."""
         w, s = self.window, self.settings
         if w is None:
             return False
-        return (w.acc.tokens >= s.checkpoint_tokens or w.acc.nbytes >= s.checkpoint_bytes
-                or time.monotonic() - w.started >= s.checkpoint_seconds)
+        if w.acc.nbytes >= s.checkpoint_bytes:
+            return True
+        age = time.monotonic() - w.started
+        if not self._applier_idle.is_set():
+            return age >= 4 * s.checkpoint_seconds
+        return w.acc.tokens >= s.checkpoint_tokens or age >= s.checkpoint_seconds
 
     def _on_progress(self, fraction: float, tokens: Optional[int]) -> None:
         with self._lock:
@@ -426,11 +445,16 @@ class Worker:
             self._hand_back(item.delivery)
 
     # ------------------------------------------------------------- checkpoint
-    def checkpoint(self) -> str:
-        """Seal the window's jobs into one checkpoint, apply it, complete it, ack them."""
+    def checkpoint(self, background: bool = False) -> str:
+        """Seal the window's jobs into one checkpoint, apply it, complete it, ack them.
+
+        With ``background``, the sealed checkpoint is applied by the applier thread while
+        the device goes on with the next window (returns "sealed"); a second one waits
+        for the first."""
         w, self.window, self._affinity = self.window, None, None
         if w is None or not w.held:
             return "empty"
+        self._last_window_size = max(self._last_window_size, len(w.acc))
         with self.clock.timed("export"):
             tokens, layers = w.acc.export()
         moments = WindowMoments(tokens, layers, {h.job_id: h.tokens for h in w.held})
@@ -456,13 +480,35 @@ class Worker:
                 else:
                     self._hand_back(d)
             return sealed.status
-        return self._apply_sealed(w.pair, w.conf, cp, moments, w.held, w.stream, piece_tokens,
-                                  w.deliveries)
+        args = (w.pair, w.conf, cp, moments, w.held, w.stream, piece_tokens, w.deliveries)
+        if not background:
+            self._applier_idle.wait()
+            return self._apply_sealed(*args)
+        with self.clock.timed("wait_applier"):
+            self._applier_idle.wait()
+        self._applier_idle.clear()
+        self._applying.put(args)
+        return "sealed"
+
+    def _applier_loop(self) -> None:
+        """Applies sealed checkpoints handed over by the main thread, one at a time."""
+        while True:
+            args = self._applying.get()
+            if args is None:
+                return
+            try:
+                self._apply_sealed(*args)
+            except Exception:
+                # The checkpoint stays sealed; its jobs are no longer refreshed, so once
+                # their lease expires another delivery adopts and finishes it.
+                log.exception("worker %s: checkpoint %s could not be applied", self.id, args[2])
+            finally:
+                self._applier_idle.set()
 
     def _apply_sealed(self, pair, conf, cp, moments, held, stream, piece_tokens, deliveries) -> str:
         """Drive a sealed checkpoint to completion (it can no longer be handed back)."""
         with self._lock:
-            self._sealed = (pair, cp)
+            self._sealed[cp] = pair
         try:
             delay = 0.2
             while True:
@@ -493,7 +539,7 @@ class Worker:
             return out.status
         finally:
             with self._lock:
-                self._sealed = None
+                self._sealed.pop(cp, None)
             for d in deliveries:
                 self._release(d)
 
@@ -548,15 +594,16 @@ class Worker:
                     p.execute()
                 with self._lock:
                     held = list(self._held.values())
-                    current, progress, sealed = self._current, self._progress, self._sealed
+                    current, progress = self._current, self._progress
+                    sealed = list(self._sealed.items())
                 for d, ok in zip(held, self.queue.refresh_many(held, self.id)):
                     if not ok:
                         with self._lock:
                             self._lost.add(d.job_id)
                 if current is not None and progress is not None and current.job_id not in self._lost:
                     self.queue.progress(current, *progress)
-                if sealed is not None:
-                    self.checkpointer.renew(*sealed)
+                for cp, pair in sealed:
+                    self.checkpointer.renew(pair, cp)
             except redis.RedisError as exc:
                 log.debug("heartbeat failed: %s", exc)
             if self._beat_stop.wait(period):

