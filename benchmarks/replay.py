@@ -101,12 +101,15 @@ class ReplayEngine:
         counted = sum(self.recording.batches[b][2] for b in batches)
         return PreparedJob(batches, counted, len(batches))
 
-    def run(self, batch: int):
+    def run(self, batch: int, comoment=None):
+        """The batch's moments. The co-moment GEMM is device work (what the host ceiling
+        leaves out): with a sink it is not replayed; without one a recorded matrix is."""
         ids, n, N = self.recording.batches[batch]
         k = len(ids)
         tokens = TokenMoments(torch.from_numpy(ids), torch.from_numpy(n).to(F64), self._mean[:k],
                               self._m2[:k], None if self._unit is None else self._unit[:k])
-        layers = LayerMoments(N, self._lay_mean, self._com, self._lay_unit, self._lay_unit.abs())
+        layers = LayerMoments(N, self._lay_mean, None if comoment is not None else self._com,
+                              self._lay_unit, self._lay_unit.abs())
         return tokens, layers
 
 

@@ -114,28 +114,33 @@ def redis_server(slowest: Optional[Slowest] = None, where: str = ""):
 
 
 def e2e_texts(count: int = 2000) -> list[str]:
-    """Short held-out BBC sentences: paragraphs of the 10% held-out split, 40..200 chars."""
+    """Short held-out BBC sentences: the sentences of the 20% held-out articles, 30..200
+    characters, in corpus order."""
     from embgeom.corpora import bbc_texts, split
 
-    held = split(bbc_texts("paragraphs"), 0.1, seed=7).held_out
-    return [t for t in held if 40 <= len(t) <= 200][:count]
+    held = split(bbc_texts("articles"), 0.2, seed=7).held_out
+    sentences = [s.strip() for article in held for line in article.split("\n")
+                 for s in re.split(r"(?<=[.!?])\s+", line)]
+    return [s for s in sentences if 30 <= len(s) <= 200][:count]
 
 
-def bare_forward(loaded, texts: list[str], token_budget: int) -> tuple[float, int]:
-    """Seconds to tokenise, batch and forward ``texts`` (hidden states of every layer)."""
+def bare_forward(loaded, jobs: list[list[str]], token_budget: int) -> tuple[float, int]:
+    """Seconds to tokenise, batch and forward each job's texts (hidden states of every
+    layer), in the batches the service makes of each job: what a script would do."""
     import torch
 
     from embgeom.compute.positions import batches_by_token_budget, encode, pad_batch
 
     start = time.perf_counter()
-    enc = encode(loaded.tokenizer, texts, loaded.info.max_length)
     counted = 0
     with torch.inference_mode():
-        for windows in batches_by_token_budget(enc.lengths, max(token_budget, loaded.info.max_length)):
-            batch = pad_batch(enc, windows, loaded.pad_id)
-            hidden = loaded.forward_padded(batch)
-            counted += batch.num_counted
-            del hidden
+        for texts in jobs:
+            enc = encode(loaded.tokenizer, texts, loaded.info.max_length)
+            for windows in batches_by_token_budget(enc.lengths, max(token_budget, loaded.info.max_length)):
+                batch = pad_batch(enc, windows, loaded.pad_id)
+                hidden = loaded.forward_padded(batch)
+                counted += batch.num_counted
+                del hidden
     return time.perf_counter() - start, counted
 
 
@@ -199,7 +204,7 @@ def bench_e2e(repeat: int, quick: bool) -> dict:
     texts = e2e_texts(400 if quick else 2000)
     jobs = [texts[i::8] for i in range(8)]
     loaded = ModelPool(ModelRegistry.from_settings(settings), "cpu", max_models=1).get("minilm")
-    bare_forward(loaded, texts[:20], settings.token_budget)  # warm-up
+    bare_forward(loaded, [texts[:20]], settings.token_budget)  # warm-up
     tmp = Path(tempfile.mkdtemp(prefix="embgeom-bench-e2e-"))
     serve = ServeProcess(tmp)
     bare, service, ratios = [], [], []
@@ -212,7 +217,7 @@ def bench_e2e(repeat: int, quick: bool) -> dict:
                 got = {}
                 for what in order:
                     if what == "bare":
-                        seconds, tokens = bare_forward(loaded, texts, settings.token_budget)
+                        seconds, tokens = bare_forward(loaded, jobs, settings.token_budget)
                     else:
                         seconds, tokens = run_jobs(client, f"e2e{r}", jobs)
                     got[what] = tokens / seconds
@@ -283,7 +288,7 @@ def wrk(url: str, paths: list[str], seconds: int, connections: int = 32) -> dict
                       "request = function()\n"
                       "  return wrk.format('GET', paths[math.random(#paths)])\n"
                       "end\n")
-    out = subprocess.run(["wrk", "-t2", f"-c{connections}", f"-d{seconds}s", "--latency",
+    out = subprocess.run(["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "--latency",
                           "-s", str(script), url], capture_output=True, text=True, check=True).stdout
 
     def ms(label):

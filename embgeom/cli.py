@@ -24,8 +24,19 @@ def _serve(args) -> int:
     if args.redis_url is not None:
         overrides["redis_url"] = args.redis_url
     settings = Settings(**overrides)
-    app = create_app(settings)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+    if args.workers > 1:
+        if settings.redis_url is None:
+            print("--workers > 1 needs a Redis (--redis-url): the embedded Redis and workers "
+                  "belong to one process", file=sys.stderr)
+            return 2
+        # Each API process builds its own app from the same settings (passed as EMBGEOM_*).
+        from service.runtime import settings_environment
+
+        os.environ.update(settings_environment(settings))
+        uvicorn.run("service.app:create_app", factory=True, workers=args.workers, host=args.host,
+                    port=args.port, log_level=args.log_level, timeout_graceful_shutdown=30)
+        return 0
+    uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=30)
     return 0
 
@@ -78,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--data-dir", default=None, help="embedded Redis data (default ./data)")
     serve.add_argument("--redis-url", default=None,
                        help="production mode: serve HTTP and enqueue only (also EMBGEOM_REDIS_URL)")
+    serve.add_argument("--workers", type=int, default=1,
+                       help="API processes (production mode only; reads scale with cores)")
     serve.set_defaults(func=_serve)
 
     worker = sub.add_parser("worker", help="process jobs from a Redis")

@@ -44,6 +44,7 @@ __all__ = [
     "log_partition_isotropy",
     "rogue_contributions",
     "self_similarity",
+    "self_similarity_from_norm",
     "top_eigenvalue_ratio",
     "transform_covariance",
     "transform_points",
@@ -462,12 +463,16 @@ def self_similarity(unit_sum, n) -> np.ndarray:
     counts = counts.astype(np.float64)
     if not np.all(np.isfinite(counts)) or np.any(counts < 0) or np.any(counts != np.round(counts)):
         raise ValueError("n must hold non-negative integers")
-    out = np.full(u.shape[0], np.nan)
-    ok = counts >= 2
-    c = counts[ok]
-    sq_norm = np.einsum("ij,ij->i", u[ok], u[ok])
-    out[ok] = (sq_norm - c) / (c * (c - 1.0))
-    return out
+    return self_similarity_from_norm(np.einsum("ij,ij->i", u, u), counts)
+
+
+def self_similarity_from_norm(sq_norm, n):
+    """:func:`self_similarity` from ``||U_t||^2`` and ``n_t`` (arrays or scalars, not
+    validated): ``(||U_t||^2 - n_t) / (n_t (n_t - 1))``, ``nan`` where ``n_t < 2``."""
+    sq_norm = np.asarray(sq_norm, dtype=np.float64)
+    c = np.asarray(n, dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(c >= 2, (sq_norm - c) / (c * (c - 1.0)), np.nan)
 
 
 # ------------------------------------------------------------------------------- outliers

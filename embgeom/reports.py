@@ -185,7 +185,7 @@ def self_similarity(unit_sum: Optional[np.ndarray], n: int) -> Optional[float]:
     """Self-similarity of one token (see :func:`embgeom.diagnostics.self_similarity`)."""
     if unit_sum is None:
         return None
-    return _none_if_nan(diagnostics.self_similarity(unit_sum[None, :], np.array([n]))[0])
+    return _none_if_nan(diagnostics.self_similarity_from_norm(float(unit_sum @ unit_sum), n))
 
 
 def token_page(reader: Reader, pair: PairKeys, layer: int, tokenizer,
@@ -248,11 +248,9 @@ def token_page(reader: Reader, pair: PairKeys, layer: int, tokenizer,
 
 
 def token_detail(reader: Reader, pair: PairKeys, layer: int, token_id: int, tokenizer) -> Plan:
-    state = yield from reader.pair_state(pair)
-    rec = None
+    state, rec = yield from reader.token(pair, token_id)
     if not state.empty:
         (pos,) = _positions(state, [layer])
-        rec = yield from reader.token(state, token_id)
     if rec is None:
         raise NotFound("token_not_found",
                        f"token {token_id} was never seen at layer {layer} of this collection",

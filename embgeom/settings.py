@@ -87,7 +87,12 @@ class Settings(BaseSettings):
     # Checkpoints: a worker merges many jobs of a pair into its window and checkpoints it
     # when one of these budgets is reached, or at once when nothing more is queued.
     checkpoint_seconds: float = Field(
-        2.0, gt=0, description="Longest a window stays open (how stale reads may be)")
+        2.0, gt=0, description="How long a window stays open at least (reads are this stale, "
+                               "plus the checkpoint's own time)")
+    checkpoint_max_share: float = Field(
+        0.1, gt=0, le=1, description="A window also stays open until the previous checkpoint's "
+                                     "time is at most this share of it (a slow device does "
+                                     "not spend its time checkpointing)")
     checkpoint_tokens: int = Field(2_000_000, ge=1, description="Embeddings per layer in a window")
     checkpoint_bytes: int = Field(
         1 << 30, ge=1 << 20, description="Bytes of per-token state a window may hold")
@@ -115,6 +120,9 @@ class Settings(BaseSettings):
     max_sync_texts: int = Field(
         2000, ge=1, description="Texts a synchronous request (probe, isotropy sample) may carry"
     )
+
+    store_timeout_seconds: float = Field(
+        10.0, gt=0, description="A read that Redis does not answer within this is a 503")
 
     # Access
     api_key: Optional[str] = Field(None, description="Bearer token required on /v1 when set")

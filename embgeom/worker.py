@@ -111,6 +111,8 @@ class StageClock:
 
 
 class Worker:
+    IDLE_WAIT_MS = 500
+
     def __init__(self, client: redis.Redis, settings: Settings,
                  registry: Optional[ModelRegistry] = None, pool: Optional[ModelPool] = None,
                  worker_id: Optional[str] = None,
@@ -146,9 +148,11 @@ class Worker:
         self._ready: queue_mod.Queue = queue_mod.Queue(maxsize=max(1, settings.prefetch_jobs))
         self._affinity: Optional[str] = None          # the stream whose window is open
         self._feeder_idle = threading.Event()
+        self._notified: dict = {}                     # last notification id per stream
         self.jobs_done = 0
         self.checkpoints = 0
         self._last_window_size = 0
+        self._last_apply_seconds = 0.0
         self._applying: queue_mod.Queue = queue_mod.Queue(maxsize=1)
         self._applier_idle = threading.Event()
         self._applier_idle.set()
@@ -235,16 +239,26 @@ class Worker:
             try:
                 only = self._affinity
                 delivery = self.queue.take(self.id, self.models, self.settings.lease_seconds,
-                                           block_ms=0 if only else 250, only=only)
+                                           block_ms=0, only=only)
                 if delivery is None:
                     self._feeder_idle.set()
                     if only:
                         self.stop_event.wait(0.02)
+                    else:
+                        # Nothing anywhere: sleep until a submission says there is, or
+                        # a while (expired leases are found by polling).
+                        self.queue.wait_for_work(self.models, self.IDLE_WAIT_MS, self._notified)
                     continue
                 self._feeder_idle.clear()
                 with self._lock:
                     self._held[delivery.job_id] = delivery
-                item = self._prepare(delivery)
+                try:
+                    item = self._prepare(delivery)
+                except BaseException:
+                    # Not ours to keep: unrefreshed, its lease expires and it is delivered
+                    # again (to us, or elsewhere).
+                    self._release(delivery)
+                    raise
                 while not self.stop_event.is_set():
                     try:
                         self._ready.put(item, timeout=0.1)
@@ -346,7 +360,7 @@ class Worker:
             batches = item.job.batches
             for i, batch in enumerate(batches):
                 with self.clock.timed("forward_reduce"):
-                    tokens, layers = item.engine.run(batch)
+                    tokens, layers = item.engine.run(batch, w.acc.layers)
                 with self.clock.timed("merge"):
                     w.acc.add(tokens, layers)
                 self._on_progress((i + 1) / max(len(batches), 1), None)
@@ -358,6 +372,9 @@ class Worker:
             self._drop_window(hand_back=True)
             return "fenced"
         except (redis.ConnectionError, redis.TimeoutError):
+            # Redis is gone: the job stays pending under this worker, no longer refreshed;
+            # it comes back (to us by _recover_own, or elsewhere after its lease).
+            self._release(d)
             raise
         except Exception as exc:  # the window holds part of this job: drop it all
             log.exception("job %s failed", d.job_id)
@@ -379,12 +396,15 @@ class Worker:
         w, s = self.window, self.settings
         if w is None:
             return False
-        if w.acc.nbytes >= s.checkpoint_bytes:
+        if w.acc.nbytes >= s.checkpoint_bytes or w.acc.tokens >= s.checkpoint_tokens:
             return True
         age = time.monotonic() - w.started
+        # At least checkpoint_seconds, and long enough that the last checkpoint took at
+        # most checkpoint_max_share of the window's time.
+        due = max(s.checkpoint_seconds, self._last_apply_seconds / s.checkpoint_max_share)
         if not self._applier_idle.is_set():
-            return age >= 4 * s.checkpoint_seconds
-        return w.acc.tokens >= s.checkpoint_tokens or age >= s.checkpoint_seconds
+            due = max(due, 4 * s.checkpoint_seconds)
+        return age >= due
 
     def _on_progress(self, fraction: float, tokens: Optional[int]) -> None:
         with self._lock:
@@ -433,8 +453,12 @@ class Worker:
                     self._hand_back(d)
             else:
                 self._release(d)
-        if hand_back and self._current is not None and self._current is not failed:
-            self._hand_back(self._current)
+        current = self._current
+        if current is not None and current is not failed:
+            if hand_back:
+                self._hand_back(current)
+            else:
+                self._release(current)
 
     def _hand_back_ready(self) -> None:
         while True:
@@ -519,6 +543,7 @@ class Worker:
                     log.warning("checkpoint %s interrupted (%s); resuming", cp, exc)
                     time.sleep(delay)
                     delay = min(5.0, delay * 2)
+            self._last_apply_seconds = sum(out.seconds.values())
             for stage, seconds in out.seconds.items():
                 self.clock.add(stage, seconds)
             for stage, seconds in out.shards.seconds.items():
@@ -565,7 +590,7 @@ class Worker:
                                                  record["epochs"], payloads):
             job = engine.prepare(json.loads(payload))
             for batch in job.batches:
-                acc.add(*engine.run(batch))
+                acc.add(*engine.run(batch, acc.layers))
             held.append(Held(job_id, entry, epoch, job.counted))
         tokens, layers = acc.export()
         moments = WindowMoments(tokens, layers, {h.job_id: h.tokens for h in held})

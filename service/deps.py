@@ -8,10 +8,10 @@ pool on the hot read paths.
 from __future__ import annotations
 
 import hmac
+from dataclasses import dataclass
 from typing import Annotated, Optional
 
 from fastapi import Depends, Path, Request
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from embgeom.compute.models import ModelInfo
 from embgeom.errors import EmbgeomError, InvalidInput, NotFound
@@ -28,19 +28,18 @@ async def get_runtime(request: Request) -> Runtime:
 
 RuntimeDep = Annotated[Runtime, Depends(get_runtime)]
 
-_bearer = HTTPBearer(auto_error=False)
-
-
 class Unauthorized(EmbgeomError):
     type = "unauthorized"
 
 
-async def require_api_key(rt: RuntimeDep,
-                          credentials: Annotated[Optional[HTTPAuthorizationCredentials], Depends(_bearer)]) -> None:
-    """When ``EMBGEOM_API_KEY`` is set, every /v1 route needs ``Authorization: Bearer <key>``."""
-    expected = rt.settings.api_key
-    if expected and (credentials is None
-                     or not hmac.compare_digest(credentials.credentials.encode(), expected.encode())):
+async def require_api_key(request: Request) -> None:
+    """When ``EMBGEOM_API_KEY`` is set, every /v1 route needs ``Authorization: Bearer <key>``.
+    (One dependency reading the header itself: it runs on every request.)"""
+    expected = request.app.state.runtime.settings.api_key
+    if not expected:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), expected.encode()):
         raise Unauthorized("missing or wrong bearer token")
 
 
@@ -71,7 +70,7 @@ async def model_pair(collection: CollectionDep, model: ModelDep) -> PairKeys:
 PairDep = Annotated[PairKeys, Depends(model_pair)]
 
 
-async def valid_layer(model: ModelDep, layer: Annotated[int, Path(description="0 = embedding output, 1..L blocks")]) -> int:
+def _check_layer(model: ModelInfo, layer: int) -> int:
     if not 0 <= layer <= model.num_layers:
         raise NotFound("layer_not_found",
                        f"layer {layer} is out of range for {model.name}: 0..{model.num_layers}",
@@ -79,4 +78,34 @@ async def valid_layer(model: ModelDep, layer: Annotated[int, Path(description="0
     return layer
 
 
+async def valid_layer(model: ModelDep, layer: Annotated[int, Path(description="0 = embedding output, 1..L blocks")]) -> int:
+    return _check_layer(model, layer)
+
+
 LayerDep = Annotated[int, Depends(valid_layer)]
+
+
+@dataclass(frozen=True)
+class LayerTarget:
+    """What a per-layer read addresses: the runtime, the pair, its model and the layer."""
+
+    rt: Runtime
+    pair: PairKeys
+    model: ModelInfo
+    layer: int
+
+
+async def layer_target(request: Request,
+                       collection: Annotated[str, Path(description=NAME_DOC)],
+                       model: Annotated[str, Path(description="Model alias")],
+                       layer: Annotated[int, Path(description="0 = embedding output, 1..L blocks")]) -> LayerTarget:
+    """The checks of :func:`valid_collection`, :func:`model_info` and :func:`valid_layer`
+    in one dependency: the per-layer reads are the hot paths, and each dependency costs
+    FastAPI a resolution step per request."""
+    rt = request.app.state.runtime
+    await valid_collection(collection)
+    info = await model_info(rt, model)
+    return LayerTarget(rt, PairKeys(collection, info.name), info, _check_layer(info, layer))
+
+
+LayerTargetDep = Annotated[LayerTarget, Depends(layer_target)]

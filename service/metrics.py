@@ -21,6 +21,11 @@ class Metrics:
         self.pending = Gauge("embgeom_jobs_pending", "Jobs queued or running", registry=self.registry)
         self.workers = Gauge("embgeom_workers_live", "Workers with a fresh heartbeat",
                              registry=self.registry)
+        self.stages = Gauge("embgeom_worker_stage_seconds", "Seconds a live worker spent per stage "
+                            "since it started (forward_reduce, merge, shards.write, ...)",
+                            ["worker", "stage"], registry=self.registry)
+        self.checkpoints = Gauge("embgeom_worker_checkpoints", "Checkpoints a live worker completed",
+                                 ["worker"], registry=self.registry)
 
 
 class _Measure:
@@ -64,5 +69,12 @@ def metrics_endpoint(request: Request) -> Response:
     rt = request.app.state.runtime
     m: Metrics = request.app.state.metrics
     m.pending.set(rt.queue.pending(rt.registry.names()))
-    m.workers.set(len(rt.live_workers()))
+    live = rt.live_workers()
+    m.workers.set(len(live))
+    m.stages.clear()
+    m.checkpoints.clear()
+    for w in live:
+        m.checkpoints.labels(w["id"]).set(w.get("checkpoints", 0))
+        for stage, seconds in w.get("stage_seconds", {}).items():
+            m.stages.labels(w["id"], stage).set(seconds)
     return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)

@@ -26,7 +26,7 @@ from embgeom.settings import Settings
 from embgeom.store.collections import Collections
 from embgeom.store.connection import async_redis_client, redis_client
 from embgeom.store.jobs import JobQueue
-from embgeom.store.reader import Reader
+from embgeom.store.reader import Reader, run_async, run_sync
 from embgeom.store.server import RedisServer
 from embgeom.worker import live_workers
 
@@ -55,6 +55,14 @@ class Runtime:
     server: Optional[RedisServer] = None
     workers: list = field(default_factory=list)   # embedded worker processes
     _sync_pool: Optional[ModelPool] = None
+
+    async def read(self, plan):
+        """Run a read plan on the async client (within ``store_timeout_seconds``)."""
+        return await run_async(self.aredis, plan, self.settings.store_timeout_seconds)
+
+    def read_sync(self, plan):
+        """Run a read plan on the sync client (CPU-heavy reads, on the thread pool)."""
+        return run_sync(self.redis, plan)
 
     @property
     def embedded(self) -> bool:

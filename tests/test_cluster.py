@@ -34,7 +34,11 @@ from tests.test_scale_out import (
     snapshot, wait_running, wait_workers,
 )
 
-REL_TOL = 1e-9
+# The two runs fold the same jobs into different windows (workers die and take over), and
+# each window's float32 reduction centres on its own first batch: values agree to float32
+# precision of their own scale (~1e-7 seen), not bit for bit. The same bound as the
+# fault runs of test_scale_out; counts are compared exactly.
+REL_TOL = 1e-5
 # Collection -> its jobs; the first job of "alpha" is the long one a worker dies in.
 TEXTS = PARAGRAPHS[:250]
 JOBS = {
@@ -165,20 +169,24 @@ def standalone(tmp_path_factory) -> dict:
 
 def _compare(ref: dict, got: dict) -> float:
     """Counts equal, values within REL_TOL; returns the largest relative difference."""
-    worst = 0.0
+    worst, where = 0.0, None
     for layer in range(NUM_LAYERS):
         a, b = ref["tokens"][layer], got["tokens"][layer]
         assert a.keys() == b.keys(), f"layer {layer}: token sets differ"
         bad = {t: (a[t][0], b[t][0]) for t in a if a[t][0] != b[t][0]}
         assert not bad, f"layer {layer}: counts differ, e.g. {list(bad.items())[:5]}"
         for t, (n, *vals) in a.items():
-            for x, y in zip(vals, b[t][1:]):
-                worst = max(worst, _rel(x, y, abs(vals[0])))
+            for name, x, y in zip("QMV", vals, b[t][1:]):
+                e = _rel(x, y, abs(vals[0]))
+                if e > worst:
+                    worst, where = e, f"layer {layer} token {t} (n={n}) {name}: {x!r} vs {y!r}"
     for ra, rb in zip(ref["layers"], got["layers"]):
         assert ra["n"] == rb["n"] and ra["num_types"] == rb["num_types"], (ra, rb)
         for field in ("Q", "M", "V", "V_W", "V_B", "cv_Q", "slope", "r2"):
-            worst = max(worst, _rel(ra[field], rb[field], abs(ra["Q"])))
-    assert worst <= REL_TOL, worst
+            e = _rel(ra[field], rb[field], abs(ra["Q"]))
+            if e > worst:
+                worst, where = e, f"layer {ra['layer']} {field}: {ra[field]!r} vs {rb[field]!r}"
+    assert worst <= REL_TOL, (worst, where)
     return worst
 
 

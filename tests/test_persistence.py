@@ -9,11 +9,12 @@ same data folder, exactly, and new jobs keep adding to them.
    ``done``.
 4. It ingests B (one job) into the same collection. Elsewhere on that service, with no
    restart in between, collection ``control`` ingests the same three jobs in another
-   order (B, A1, A2). A job's own moments do not depend on which process runs it (same
-   texts -> same windows -> same batches -> the same float32 forward on this CPU), so the
-   two collections differ only by the order of their float64 Chan merges: they must
-   agree to 1e-9 relative (float64 reordering gives ~1e-15; a lost or doubled commit, or
-   a wrong merge across the restart, is off by >= 1/n ~ 1e-4).
+   order (B, A1, A2). A job's hidden states do not depend on which process runs it (same
+   texts -> same windows -> same batches -> the same float32 forward on this CPU), but
+   the jobs land in other checkpoint windows, and each window's float32 reduction centres
+   on its own first batch: the two collections agree to float32 rounding of the
+   deviations, ~1e-8 relative measured, allowed 1e-6 (a lost or doubled commit, or a
+   wrong merge across the restart, is off by >= 1/n ~ 1e-4).
 5. Collection ``single`` ingests A + B as ONE job: other batch shapes, so float32 noise
    of the forward pass (~1e-7 measured in the end-to-end test): 1e-5 relative on the
    layer values, exact on counts.
@@ -33,7 +34,7 @@ from tests.conftest import ServiceProcess, wait_for_jobs, wait_ready
 pytestmark = pytest.mark.slow
 
 BASE = "/v1/collections/{c}/models/minilm"
-EXACT_REL = 1e-9  # see module docstring, step 4
+EXACT_REL = 1e-6  # see module docstring, step 4
 BATCH_REL = 1e-5  # step 5
 QUANTITIES = ("Q", "M", "V", "V_W", "V_B")
 

@@ -168,10 +168,24 @@ def test_batches_respect_the_token_budget(seed, budget):
         padded = len(b) * lengths[b].max()
         if len(b) > 1:  # only a lone window may exceed the budget
             assert padded <= budget, (len(b), lengths[b], budget)
-    # batches are greedy: a batch plus the next batch's first window would not fit
+    # batches are greedy: a batch plus the next batch's first window would break the
+    # budget, or pad a batch of at least budget/8 positions by more than 25%
     for a, b in zip(batches, batches[1:]):
         longest = max(lengths[a].max(), lengths[b[0]])
-        assert (len(a) + 1) * longest > budget
+        padded = (len(a) + 1) * longest
+        real = lengths[a].sum() + lengths[b[0]]
+        assert padded > budget or (padded >= budget // 8 and padded > 1.25 * real)
+    # and none pads more than that (unless small)
+    for b in batches:
+        padded = len(b) * lengths[b].max()
+        assert padded < budget // 8 or padded <= 1.25 * lengths[b].sum() or len(b) == 1
+
+
+def test_mixed_short_lengths_are_not_padded_to_the_longest():
+    lengths = np.array([8] * 200 + [60] * 50)
+    batches = list(batches_by_token_budget(lengths, 16384))
+    padded = sum(len(b) * lengths[b].max() for b in batches)
+    assert padded <= 1.25 * lengths.sum()  # one batch would have padded 250 x 60
 
 
 def test_single_window_longer_than_budget_is_its_own_batch():

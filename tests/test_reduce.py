@@ -179,20 +179,23 @@ def test_self_similarity_off_keeps_no_unit_sums():
 # ------------------------------------------------------------------------------ window
 
 
-def window_of(hidden, layers, keys, counted, groups, capacity=2, precision="fp64"):
+def window_of(hidden, layers, keys, counted, groups, capacity=2, precision="fp64", fused=True):
     """Reduce row groups separately (each trimmed to its own longest row) and merge them
-    in a window (a tiny capacity exercises its growth)."""
+    in a window (a tiny capacity exercises its growth). ``fused``: the batches' GEMMs go
+    straight into the window's sums (the worker's path); else each batch's co-moment is
+    returned and folded in."""
     acc = WindowAccumulator(len(layers), hidden[0].shape[-1], True, capacity=capacity)
     for rows in groups:
         idx = torch.tensor(rows)
         width = int(counted[idx].sum(1).max()) + 1  # [CLS] + counted positions
         sub_h = [h[idx, :width] for h in hidden]
         acc.add(*reduce_batch(sub_h, layers, keys[idx, :width], counted[idx, :width],
-                              precision=precision))
+                              precision=precision, comoment=acc.layers if fused else None))
     return acc.export()
 
 
-def test_window_does_not_depend_on_batch_composition():
+@pytest.mark.parametrize("fused", [True, False])
+def test_window_does_not_depend_on_batch_composition(fused):
     rng = np.random.default_rng(7)
     hidden, keys, counted = random_batch(rng, rows=12, T=9, d=6, L=2, vocab=5)
     layers = [0, 1]
@@ -205,7 +208,7 @@ def test_window_does_not_depend_on_batch_composition():
         [list(range(0, 12, 2)), list(range(1, 12, 2))],
     ]
     for groups in splits:
-        tok, lay = window_of(hidden, layers, keys, counted, groups)
+        tok, lay = window_of(hidden, layers, keys, counted, groups, fused=fused)
         np.testing.assert_array_equal(tok.ids, ref_tok["ids"])  # sorted by key on export
         np.testing.assert_array_equal(tok.n, ref_tok["n"])
         assert lay.n == N
@@ -235,8 +238,8 @@ def test_every_split_of_a_small_batch_agrees():
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**32 - 1), rows=st.integers(1, 12), vocab=st.integers(1, 15),
        d=st.integers(1, 6), offset=st.sampled_from([0.0, -3.0, 100.0, 1e4]),
-       parts=st.integers(1, 6))
-def test_window_equals_two_pass_for_any_split(seed, rows, vocab, d, offset, parts):
+       parts=st.integers(1, 6), fused=st.booleans(), precision=st.sampled_from(["fp64", "fp32"]))
+def test_window_equals_two_pass_for_any_split(seed, rows, vocab, d, offset, parts, fused, precision):
     """Random data (large common offsets included), random batches in random order,
     huge sparse keys (no vocabulary-sized state): counts exact, values two-pass."""
     rng = np.random.default_rng(seed)
@@ -245,19 +248,25 @@ def test_window_equals_two_pass_for_any_split(seed, rows, vocab, d, offset, part
     keys = keys * 2**40 + 12345  # sparse, far beyond any vocabulary
     perm = rng.permutation(rows)
     groups = [g.tolist() for g in np.array_split(perm, min(parts, rows)) if len(g)]
-    assume_counted = counted.sum() > 0
-    tok, lay = window_of(hidden, [0, 1], keys, counted, groups, capacity=1)
-    if not assume_counted:
+    anything = counted.sum() > 0
+    tok, lay = window_of(hidden, [0, 1], keys, counted, groups, capacity=1, precision=precision,
+                         fused=fused)
+    if not anything:
         assert len(tok.ids) == 0 and lay.n == 0
         return
     ref_tok, ref_lay, N = ref_reduce(hidden, [0, 1], keys, counted)
-    _, v = scales(hidden, [0, 1], counted)
-    q, _ = scales(hidden, [0, 1], counted)
+    q, v = scales(hidden, [0, 1], counted)
     np.testing.assert_array_equal(tok.ids, ref_tok["ids"])
     np.testing.assert_array_equal(tok.n, ref_tok["n"])
-    close(tok.m2, ref_tok["m2"], N * max(v, 1e-300), 1e-8 if offset < 1e3 else 1e-6)
-    close(tok.mean, ref_tok["mean"], np.sqrt(q), REL64)
-    close(lay.comoment, ref_lay["com"], N * q, REL64)
+    if precision == "fp64":
+        close(tok.m2, ref_tok["m2"], N * max(v, 1e-300), 1e-8 if offset < 1e3 else 1e-6)
+        close(tok.mean, ref_tok["mean"], np.sqrt(q), REL64)
+        close(lay.comoment, ref_lay["com"], N * max(v, 1e-300), 1e-8 if offset < 1e3 else 1e-6)
+    else:  # float32 sums on centred data: relative to the variance, not the mean
+        close(tok.m2, ref_tok["m2"], N * max(v, 1e-300), REL32)
+        close(tok.mean, ref_tok["mean"], np.sqrt(v), REL32)
+        close(lay.comoment, ref_lay["com"], N * max(v, 1e-300), REL32)
+    close(lay.mean, ref_lay["mean"], np.sqrt(v), REL32)
 
 
 def test_fp32_comoment_keeps_dimensions_of_any_scale():

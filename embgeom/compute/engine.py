@@ -75,13 +75,14 @@ class Engine:
         return out
 
     @torch.inference_mode()
-    def run(self, batch: dict) -> tuple[TokenMoments, LayerMoments]:
-        """Forward one prepared batch and reduce it on the device."""
+    def run(self, batch: dict, comoment=None) -> tuple[TokenMoments, LayerMoments]:
+        """Forward one prepared batch and reduce it on the device; its co-moment goes into
+        ``comoment`` (the window's :class:`~embgeom.compute.window.LayerSums`) if given."""
         dev = self.loaded.device
         moved = {k: v.to(dev, non_blocking=True) for k, v in batch.items()}
         hidden = self.loaded.hidden_states(moved["input_ids"], moved["attention"])
         return reduce_batch(hidden, self.rule.layers, moved["keys"], moved["counted"],
-                            self.rule.self_similarity, self.precision)
+                            self.rule.self_similarity, self.precision, comoment)
 
 
 POOLINGS = ("cls", "mean", "last")

@@ -175,30 +175,37 @@ def encode(tokenizer, texts: Sequence[str], max_length: int, include_special: bo
     return Encoded(input_ids, keys, counted, starts, text_index)
 
 
-def batches_by_token_budget(lengths: np.ndarray, token_budget: int) -> Iterator[np.ndarray]:
+def batches_by_token_budget(lengths: np.ndarray, token_budget: int,
+                            max_padding: float = 0.25) -> Iterator[np.ndarray]:
     """Group windows into batches whose padded size ``rows x longest`` fits the budget.
 
     Parameters
     ----------
     lengths : ndarray (W,), the length of each window.
+    token_budget : the most padded positions a batch may hold.
+    max_padding : a batch of at least an eighth of the budget also closes before its
+        padding would exceed this share of its real positions (short texts of mixed
+        lengths would otherwise be padded to the longest of them all).
 
     Yields
     ------
-    ndarray of window indices per batch. Windows are sorted by length first so padding
-    is small; a single window longer than the budget still forms a batch of its own (the
-    budget is checked against the model's maximum length at start-up). Greedy: a batch
-    plus the next batch's first window would not fit.
+    ndarray of window indices per batch. Windows are sorted by length first; a single
+    window longer than the budget still forms a batch of its own (the budget is checked
+    against the model's maximum length at start-up). Every window is in exactly one batch.
     """
-    order = np.argsort(np.asarray(lengths), kind="stable")
-    sorted_lengths = np.asarray(lengths)[order]
-    start = 0
-    W = len(order)
+    lengths = np.asarray(lengths)
+    order = np.argsort(lengths, kind="stable")
+    sorted_lengths = lengths[order]
+    real = np.concatenate([[0], np.cumsum(sorted_lengths)])
+    start, W = 0, len(order)
     while start < W:
-        # Sorted ascending, so the longest of [start, end) is its last window: the
-        # batch ends where (end - start) * lengths[end - 1] first exceeds the budget.
-        rows = np.arange(1, W - start + 1)
-        fits = rows * sorted_lengths[start:] <= token_budget
-        size = max(1, int(np.argmin(fits)) if not fits.all() else W - start)
+        # Sorted ascending, so the longest of [start, end) is its last window.
+        ends = np.arange(start + 1, W + 1)
+        padded = (ends - start) * sorted_lengths[start:]
+        fits = padded <= token_budget
+        tight = (padded <= (1 + max_padding) * (real[ends] - real[start])) | (padded < token_budget // 8)
+        ok = fits & tight
+        size = W - start if ok.all() else max(1, int(np.argmin(ok)))
         yield order[start:start + size]
         start += size
 

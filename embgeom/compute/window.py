@@ -7,20 +7,70 @@ distinct keys the window has seen (Heaps' law), never with the vocabulary: rows 
 appended on first sight, and a sorted index maps keys to rows (``searchsorted``, no
 per-key Python loop).
 
-The merges are :func:`embgeom.stats.chan_merge` (per token, gathered rows) and
-:meth:`embgeom.stats.LayerMoments.merged` (per layer), on float64 tensors.
+Per token, batches are merged with :func:`embgeom.stats.chan_merge` (gathered rows, in
+place). Per layer, the window keeps float64 sums about a fixed shift ``s`` (its first
+batch's mean)::
+
+    n,  S1 = sum (x - s),  A = sum (x - s)(x - s)^T,  unit sums
+
+into which the reduction adds each batch's GEMM directly (:class:`LayerSums` is its
+``ComomentSink``); the moments leave as ``mean = s + S1 / n`` and
+``C = A - S1 S1^T / n``. That is the shifted-data algorithm: with s within a few standard
+deviations of the mean, ``S1 S1^T / n`` is of the order of C, so the subtraction loses
+nothing that matters in float64, and no d x d matrix per batch is allocated or merged.
+Checkpoints are merged with Chan's formula in the store.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import numpy as np
 import torch
 
 from embgeom.stats import LayerMoments, TokenMoments, chan_merge
 
-__all__ = ["WindowAccumulator"]
+__all__ = ["LayerSums", "WindowAccumulator"]
 
 F64 = torch.float64
+
+
+class LayerSums:
+    """Per-layer sums of a window about a fixed shift (see the module docstring)."""
+
+    def __init__(self, num_layers: int, dim: int, device):
+        z = lambda *shape: torch.zeros(shape, dtype=F64, device=device)  # noqa: E731
+        self.n = 0
+        self.shift: Optional[torch.Tensor] = None
+        self.S1, self.A = z(num_layers, dim), z(num_layers, dim, dim)
+        self.unit_sum, self.unit_sq_sum = z(num_layers, dim), z(num_layers, dim)
+
+    def add(self, layers: LayerMoments) -> None:
+        """A batch's layer moments; its co-moment already added into ``A`` by the
+        reduction, or given (then folded in: ``A += C + N d d^T``, d = mean - s)."""
+        if layers.n == 0:
+            return
+        if self.shift is None:  # exactly representable in float32: any batch may centre on it
+            self.shift = layers.mean.to(torch.float32).to(F64)
+        delta = layers.mean - self.shift
+        self.S1 += layers.n * delta
+        if layers.comoment is not None:
+            self.A += layers.comoment
+            self.A.baddbmm_(delta[:, :, None], delta[:, None, :], alpha=layers.n)
+        self.unit_sum += layers.unit_sum
+        self.unit_sq_sum += layers.unit_sq_sum
+        self.n += int(layers.n)
+
+    def moments(self) -> LayerMoments:
+        """The window's layer moments (Chan form), float64 numpy on the host."""
+        L, d = self.S1.shape
+        if self.n == 0:
+            zero = LayerMoments.empty(L, d)
+            return zero
+        mean = self.shift + self.S1 / self.n
+        C = self.A - self.S1[:, :, None] * self.S1[:, None, :] / self.n
+        return LayerMoments(self.n, mean.cpu().numpy(), C.cpu().numpy(),
+                            self.unit_sum.cpu().numpy(), self.unit_sq_sum.cpu().numpy())
 
 
 class WindowAccumulator:
@@ -42,9 +92,7 @@ class WindowAccumulator:
         self._alloc(capacity)
         self._sorted_keys = torch.zeros(0, dtype=torch.long, device=self.device)
         self._sorted_rows = torch.zeros(0, dtype=torch.long, device=self.device)
-        z = lambda *shape: torch.zeros(shape, dtype=F64, device=self.device)  # noqa: E731
-        self.layers = LayerMoments(0, z(num_layers, dim), z(num_layers, dim, dim),
-                                   z(num_layers, dim), z(num_layers, dim))
+        self.layers = LayerSums(num_layers, dim, self.device)
 
     def _alloc(self, capacity: int) -> None:
         L, d, dev = self.num_layers, self.dim, self.device
@@ -109,7 +157,7 @@ class WindowAccumulator:
         self._m2.index_copy_(0, rows, m2)
         if self._unit is not None:
             self._unit.index_add_(0, rows, tokens.unit_sum)
-        self.layers = self.layers.merged(layers)
+        self.layers.add(layers)
         self.tokens += int(layers.n)
 
     def export(self) -> tuple[TokenMoments, LayerMoments]:
@@ -122,7 +170,4 @@ class WindowAccumulator:
 
         tokens = TokenMoments(ids=host(self._keys), n=host(self._n).astype(np.int64),
                               mean=host(self._mean), m2=host(self._m2), unit_sum=host(self._unit))
-        lay = self.layers
-        layers = LayerMoments(int(lay.n), lay.mean.cpu().numpy(), lay.comoment.cpu().numpy(),
-                              lay.unit_sum.cpu().numpy(), lay.unit_sq_sum.cpu().numpy())
-        return tokens, layers
+        return tokens, self.layers.moments()

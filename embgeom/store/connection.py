@@ -8,6 +8,8 @@ hash slot, so the same code runs on both.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import redis
 
 __all__ = ["CLUSTER_SCHEMES", "redis_client", "async_redis_client", "is_cluster_url"]
@@ -36,8 +38,10 @@ def redis_client(url: str, socket_timeout: float = 60.0) -> redis.Redis:
                                 health_check_interval=10)
 
 
-def async_redis_client(url: str, socket_timeout: float = 10.0, max_connections: int = 128):
-    """An asyncio client (the API's reads and writes never block its event loop)."""
+def async_redis_client(url: str, socket_timeout: Optional[float] = None, max_connections: int = 128):
+    """An asyncio client (the API's reads never block its event loop). No timeout per
+    command by default: :func:`embgeom.store.reader.run_async` times each read as a whole
+    (one timer, not one per command, on the hot paths)."""
     import redis.asyncio as aredis
 
     if is_cluster_url(url):

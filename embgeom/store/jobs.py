@@ -201,7 +201,34 @@ class JobQueue:
         # Again after: a DELETE of the collection whose SREM ran between our first SADD
         # and our MULTI (our job is in the new generation) must not leave it unlisted.
         self.r.sadd(K.PAIRS, pair.pair)
+        self.notify(pair)
         return job_id, True
+
+    NOTIFY_MAXLEN = 1000
+
+    def notify(self, pair: K.PairKeys) -> None:
+        """Wake the idle workers of the pair's model (a hint: losing one costs at most the
+        workers' longest wait)."""
+        self.r.xadd(K.notify(pair.model), {"pair": pair.pair}, maxlen=self.NOTIFY_MAXLEN,
+                    approximate=True)
+
+    def wait_for_work(self, models: Sequence[str], timeout_ms: int, last: dict) -> list[str]:
+        """Block until a notification for ``models`` (or ``timeout_ms``); returns the pairs
+        named. ``last`` holds the last id seen per stream and is updated (the first call
+        starts from the newest entry, so nothing older wakes it)."""
+        streams = {K.notify(m): None for m in models}
+        for s in streams:
+            if s not in last:
+                newest = self.r.xrevrange(s, count=1)
+                last[s] = newest[0][0] if newest else "0-0"
+        got = self.r.xread({s: last[s] for s in streams}, block=timeout_ms, count=100)
+        pairs = []
+        for stream, entries in got or []:
+            stream = stream.decode() if isinstance(stream, bytes) else stream
+            for entry_id, fields in entries:
+                last[stream] = entry_id
+                pairs.append(fields[b"pair"].decode())
+        return pairs
 
     def _claim_key(self, pair: K.PairKeys, idempotency_key: str, fingerprint: str) -> None:
         """Record which pair an Idempotency-Key belongs to; refuse its reuse for another.
@@ -429,7 +456,10 @@ class JobQueue:
             p.xack(delivery.stream, K.GROUP, delivery.entry_id)
             p.xdel(delivery.stream, delivery.entry_id)
             p.xadd(delivery.stream, {"job_id": delivery.job_id, "pair": delivery.pair.pair})
-        return self._as_owner(delivery.pair.job(delivery.job_id), delivery.epoch, write)
+        owned = self._as_owner(delivery.pair.job(delivery.job_id), delivery.epoch, write)
+        if owned:
+            self.notify(delivery.pair)
+        return owned
 
     def fail(self, pair: K.PairKeys, job_id: str, stream: str, entry_id: bytes, error: str,
              epoch: Optional[int] = None) -> bool:

@@ -42,6 +42,8 @@ Global keys (small, one slot each; never in a transaction with a pair's keys)::
     eg:{c}:settings        hash   a collection's settings (fixed at its creation)
     eg:pairs               set    "c:m" of every collection/model with data or jobs
     eg:streams:<model>     set    "c:m" of every pair that has (had) a job stream for <model>
+    eg:{notify}:<model>    stream "c:m" of a pair with a new (or requeued) job (capped): idle
+                                  workers block on it instead of polling
     eg:jobref:<id>         string "c:m" of a job, to find its status key
     eg:idem:<key>          string "c:m" an Idempotency-Key was first used with
     eg:workers             zset   worker id -> last heartbeat (unix seconds)
@@ -185,6 +187,12 @@ def idempotency(key: str) -> str:
 def streams(model: str) -> str:
     """Global: the set of pairs ("c:m") whose job streams serve ``model``."""
     return f"eg:streams:{model}"
+
+
+def notify(model: str) -> str:
+    """Global: new-work notifications for ``model``'s workers. Every model's stream shares
+    the ``{notify}`` tag, so one XREAD BLOCK can wait on several models on a cluster."""
+    return f"eg:{{notify}}:{model}"
 
 
 def worker(worker_id: str) -> str:

@@ -17,12 +17,14 @@ one token is always whole.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from dataclasses import dataclass
 from typing import Generator, Optional, Sequence
 
 import numpy as np
+import redis
 
 from embgeom.errors import NotFound
 from embgeom.store import codec
@@ -50,8 +52,17 @@ def run_sync(client, plan: Plan):
         return stop.value
 
 
-async def run_async(client, plan: Plan):
-    """Run a plan on a ``redis.asyncio`` client."""
+async def run_async(client, plan: Plan, timeout: Optional[float] = 10.0):
+    """Run a plan on a ``redis.asyncio`` client, within ``timeout`` seconds as a whole
+    (one timer per read, not one per command: ``redis.TimeoutError`` beyond it)."""
+    try:
+        async with asyncio.timeout(timeout):
+            return await _drive(client, plan)
+    except TimeoutError:
+        raise redis.TimeoutError(f"the store did not answer within {timeout} s") from None
+
+
+async def _drive(client, plan: Plan):
     try:
         commands = next(plan)
         while True:
@@ -116,16 +127,37 @@ class Reader:
 
     def __init__(self, scalar_cache_entries: int = 8):
         self._confs: dict[tuple[str, int], PairConf] = {}
+        self._latest: dict[str, tuple[int, PairConf]] = {}  # pair -> last generation read
         self._scalars: dict[tuple[str, int, int], Scalars] = {}
         self._scalar_cache_entries = scalar_cache_entries
 
     # ---------------------------------------------------------------- the pair
+    _HEAD = 4  # commands of the state read
+
+    def _head(self, pair: PairKeys) -> list:
+        return [("get", pair.gen), ("hgetall", pair.meta), ("zcard", pair.inflight),
+                ("sismember", K.PAIRS, pair.pair)]
+
     def pair_state(self, pair: PairKeys) -> Plan:
         """The pair's generation, configuration and freshness; ``collection_not_found`` or
         ``model_not_in_collection`` when nothing was ever sent to it."""
-        gen_raw, meta, applying, listed = yield [
-            ("get", pair.gen), ("hgetall", pair.meta), ("zcard", pair.inflight),
-            ("sismember", K.PAIRS, pair.pair)]
+        replies = yield self._head(pair)
+        return (yield from self._state(pair, replies))
+
+    def pair_state_with(self, pair: PairKeys, then) -> Plan:
+        """:meth:`pair_state` and, in the same round trip, the commands ``then(gen, conf)``
+        for the generation last seen: ``(state, their replies)``, or ``(state, None)``
+        when that guess was wrong (a first read, a deletion since)."""
+        guess = self._latest.get(pair.pair)
+        extra = then(*guess) if guess else []
+        replies = yield self._head(pair) + extra
+        state = yield from self._state(pair, replies[:self._HEAD])
+        if guess and not state.empty and state.gen == guess[0]:
+            return state, replies[self._HEAD:]
+        return state, None
+
+    def _state(self, pair: PairKeys, replies: list) -> Plan:
+        gen_raw, meta, applying, listed = replies
         if not listed:
             yield from self._not_found(pair)
         gen = int(gen_raw or 0)
@@ -134,6 +166,8 @@ class Reader:
             (raw,) = yield [("get", pair.conf(gen))]
             if raw is not None:
                 conf = self._confs.setdefault((pair.pair, gen), PairConf.from_json(raw))
+        if conf is not None:
+            self._latest[pair.pair] = (gen, conf)
         updated = meta.get(b"updated_at")
         return PairState(pair, gen, conf, int(meta.get(b"version", 0)),
                          float(updated) if updated else None, int(applying))
@@ -199,20 +233,34 @@ class Reader:
             self._scalars[cache_key] = out
         return out
 
-    def token(self, state: PairState, key: int) -> Plan:
-        """``(n, M (L,), m2 (L,), unit_sum (L, d) or None)`` of one token, or None."""
-        conf = state.conf
-        shard = state.pair.parts(state.gen).shard(int(shard_of([key], conf.shards)[0]))
+    @staticmethod
+    def _token_commands(parts, conf: PairConf, key: int) -> list:
+        shard = parts.shard(int(shard_of([key], conf.shards)[0]))
         commands = [("hget", shard.scal, str(key))]
         if conf.self_similarity:
             commands.append(("hget", shard.unit, str(key)))
-        replies = yield commands
+        return commands
+
+    @staticmethod
+    def _token_record(conf: PairConf, replies: list):
         if replies[0] is None:
             return None
         row = np.frombuffer(replies[0], dtype=codec.F64)
         unit = (np.frombuffer(replies[1], dtype=codec.F64).reshape(conf.L, conf.d)
                 if conf.self_similarity and replies[1] is not None else None)
         return int(round(row[0])), row[1:1 + conf.L], row[1 + conf.L:], unit
+
+    def token(self, pair: PairKeys, key: int) -> Plan:
+        """``(state, record)``: the pair's state and one token's ``(n, M (L,), m2 (L,),
+        unit_sum (L, d) or None)`` (None if never seen), in one round trip when the
+        pair's generation is the one last read."""
+        state, replies = yield from self.pair_state_with(
+            pair, lambda gen, conf: self._token_commands(pair.parts(gen), conf, key))
+        if state.empty:
+            return state, None
+        if replies is None:
+            replies = yield self._token_commands(pair.parts(state.gen), state.conf, key)
+        return state, self._token_record(state.conf, replies)
 
     def units(self, state: PairState, keys: Sequence[int], position: int) -> Plan:
         """Unit-vector sums (d,) at one kept layer of each of ``keys`` (None if absent)."""

@@ -8,8 +8,7 @@ from service.encoding import FastJSON
 from embgeom import reports
 from embgeom.errors import NotFound
 from embgeom.store.conf import CollectionSettings
-from embgeom.store.reader import run_async
-from service.deps import CollectionDep, LayerDep, PairDep, RuntimeDep
+from service.deps import CollectionDep, LayerTargetDep, PairDep, RuntimeDep
 from service.schemas import (
     CollectionInfo, CollectionOut, CollectionSettingsIn, Decomposition, Deleted, ErrorBody,
     LayersOut, TokenDetail, TokenPage,
@@ -67,7 +66,7 @@ async def layers(pair: PairDep, rt: RuntimeDep,
                  min_count: MinCount = 1, max_count: MaxCount = None):
     """Decomposition and summary (cv_Q, V-on-M regression) of every kept layer."""
     f = reports.CountFilter(min_count, max_count)
-    rows, as_of = await run_async(rt.aredis, reports.layer_rows(rt.reader, pair, None, f))
+    rows, as_of = await rt.read(reports.layer_rows(rt.reader, pair, None, f))
     for row in rows:
         row.update(f.to_dict())
     return FastJSON({"collection": pair.collection, "model": pair.model, **f.to_dict(),
@@ -75,29 +74,28 @@ async def layers(pair: PairDep, rt: RuntimeDep,
 
 
 @router.get("/{collection}/models/{model}/layers/{layer}/decomposition", response_model=Decomposition)
-async def decomposition(pair: PairDep, layer: LayerDep, rt: RuntimeDep,
-                        min_count: MinCount = 1, max_count: MaxCount = None):
+async def decomposition(t: LayerTargetDep, min_count: MinCount = 1, max_count: MaxCount = None):
     """Q = M + V_W + V_B at one layer; O(d) without a count filter."""
     f = reports.CountFilter(min_count, max_count)
-    rows, as_of = await run_async(rt.aredis, reports.layer_rows(rt.reader, pair, [layer], f,
-                                                                 with_summary=False))
+    rows, as_of = await t.rt.read(reports.layer_rows(t.rt.reader, t.pair, [t.layer], f,
+                                                      with_summary=False))
     return FastJSON({**rows[0], **f.to_dict(), "as_of": as_of})
 
 
 @router.get("/{collection}/models/{model}/layers/{layer}/tokens", response_model=TokenPage)
-async def tokens(pair: PairDep, layer: LayerDep, rt: RuntimeDep,
+async def tokens(t: LayerTargetDep,
                  order_by: Literal["n", "Q", "M", "V"] = "n", desc: bool = True,
                  limit: Annotated[int, Query(ge=1, le=10000)] = 100,
                  cursor: Optional[str] = None, min_count: MinCount = 1, max_count: MaxCount = None,
                  token: Annotated[Optional[str], Query(description="A vocabulary string, e.g. '##ing'")] = None):
-    page = await run_async(rt.aredis, reports.token_page(
-        rt.reader, pair, layer, rt.registry.tokenizer(pair.model), order_by, desc, limit, cursor,
-        reports.CountFilter(min_count, max_count), token))
+    page = await t.rt.read(reports.token_page(
+        t.rt.reader, t.pair, t.layer, t.rt.registry.tokenizer(t.pair.model), order_by, desc, limit,
+        cursor, reports.CountFilter(min_count, max_count), token))
     return FastJSON(page)
 
 
 @router.get("/{collection}/models/{model}/layers/{layer}/tokens/{token_id}", response_model=TokenDetail)
-async def token(pair: PairDep, layer: LayerDep, token_id: int, rt: RuntimeDep):
-    detail = await run_async(rt.aredis, reports.token_detail(
-        rt.reader, pair, layer, token_id, rt.registry.tokenizer(pair.model)))
+async def token(t: LayerTargetDep, token_id: int):
+    detail = await t.rt.read(reports.token_detail(
+        t.rt.reader, t.pair, t.layer, token_id, t.rt.registry.tokenizer(t.pair.model)))
     return FastJSON(detail)
