@@ -8,7 +8,9 @@ Each function here is a *plan* (see :mod:`embgeom.store.reader`): run it with
 
 Token keys: with a collection keyed by ``"id"`` a key is a vocabulary id; keyed by
 ``"string"`` it is the smallest vocabulary id of its canonical string, and ``token`` shows
-that string (see :mod:`embgeom.compute.positions`).
+that string; a word-unit collection's multi-piece words have hashed keys (>= 2**62) whose
+``token`` is the word's name, stored with its record (see :mod:`embgeom.compute.positions`
+and :func:`token_strings`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from embgeom import diagnostics
-from embgeom.compute.positions import canonical_token, lookup_key
+from embgeom.compute.positions import canonical_token, is_word_key, lookup_key, token_markers
 from embgeom.errors import InvalidInput, NotFound
 from embgeom.stats import aligned_buckets, decomposition, decomposition_from_sums, layer_summary
 from embgeom.store.keys import PairKeys
@@ -28,7 +30,7 @@ from embgeom.store.reader import PairState, Plan, Reader
 
 __all__ = [
     "CountFilter", "layer_rows", "token_page", "token_detail", "self_similarity",
-    "isotropy", "outliers", "model_outliers", "token_string", "EMPTY_AS_OF",
+    "isotropy", "outliers", "model_outliers", "token_strings", "EMPTY_AS_OF",
 ]
 
 ORDER_FIELDS = ("n", "Q", "M", "V")
@@ -86,9 +88,23 @@ def _positions(state: PairState, layers: Sequence[int]) -> list[int]:
     return out
 
 
-def token_string(tokenizer, key: int, key_mode: str) -> str:
-    token = tokenizer.convert_ids_to_tokens(int(key))
-    return canonical_token(token) if key_mode == "string" else token
+def token_strings(reader: Reader, state: PairState, tokenizer, keys: Sequence[int]) -> Plan:
+    """The string each key is shown as (the ``token`` of every answer), list[str]: a
+    vocabulary key's token (canonical under string keys), a hashed word key's stored name
+    (read only when there are some; "" if the pair was deleted between the two reads)."""
+    keys = np.asarray(keys, dtype=np.int64)
+    if keys.shape[0] == 0:
+        return []
+    words = is_word_key(keys)
+    names = {}
+    if words.any():
+        names = yield from reader.names(state, keys[words])
+    vocab = [t or "" for t in tokenizer.convert_ids_to_tokens(keys[~words].tolist())]
+    if state.conf.key == "string":
+        markers = token_markers(tokenizer)
+        vocab = [canonical_token(t, markers) for t in vocab]
+    vocab = iter(vocab)
+    return [names.get(k, "") if w else next(vocab) for k, w in zip(keys.tolist(), words.tolist())]
 
 
 # ------------------------------------------------------------------- layers
@@ -196,8 +212,9 @@ def token_page(reader: Reader, pair: PairKeys, layer: int, tokenizer,
 
     The cursor holds the last (value, id) served, so pages stay disjoint even while new
     checkpoints land between requests. ``token`` selects one vocabulary string (under the
-    collection's key: with string keys ``##ing`` and ``ing`` are one token); a string not
-    in the vocabulary is ``token_not_in_vocabulary``.
+    collection's key: with string keys ``##ing`` and ``ing`` are one token), or in a
+    word-unit collection any word's name; a string no key can have (a token collection's
+    non-vocabulary string) is ``token_not_in_vocabulary``.
     """
     if order_by not in ORDER_FIELDS:
         raise InvalidInput(f"order_by must be one of {', '.join(ORDER_FIELDS)}", type="invalid_order")
@@ -208,7 +225,7 @@ def token_page(reader: Reader, pair: PairKeys, layer: int, tokenizer,
     (pos,) = _positions(state, [layer])
     token_id = None
     if token is not None:
-        token_id = lookup_key(tokenizer, token, state.conf.key)
+        token_id = lookup_key(tokenizer, token, state.conf.key, state.conf.unit)
         if token_id is None:
             raise NotFound("token_not_in_vocabulary", f"{token!r} is not in the model's vocabulary",
                            token=token)
@@ -231,11 +248,12 @@ def token_page(reader: Reader, pair: PairKeys, layer: int, tokenizer,
     page = order[:limit]
     page_ids = ids[page]
     units = yield from reader.units(state, page_ids.tolist(), pos)
+    strings = yield from token_strings(reader, state, tokenizer, page_ids)
     tokens = []
     for j, i in enumerate(page):
         n = int(values["n"][i])
         tokens.append({
-            "token_id": int(ids[i]), "token": token_string(tokenizer, ids[i], state.conf.key), "n": n,
+            "token_id": int(ids[i]), "token": strings[j], "n": n,
             "Q": float(values["Q"][i]), "M": float(values["M"][i]), "V": float(values["V"][i]),
             "self_similarity": self_similarity(units[j], n),
         })
@@ -257,8 +275,8 @@ def token_detail(reader: Reader, pair: PairKeys, layer: int, token_id: int, toke
                        token_id=token_id)
     n, M, m2, unit = rec
     V = float(m2[pos]) / n
-    return {"layer": layer, "token_id": int(token_id),
-            "token": token_string(tokenizer, token_id, state.conf.key),
+    (string,) = yield from token_strings(reader, state, tokenizer, [token_id])
+    return {"layer": layer, "token_id": int(token_id), "token": string,
             "n": n, "Q": float(M[pos]) + V, "M": float(M[pos]), "V": V,
             "self_similarity": self_similarity(None if unit is None else unit[pos], n),
             "as_of": state.as_of()}

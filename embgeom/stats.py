@@ -217,11 +217,14 @@ class WindowMoments:
     tokens : the per-token moments of every token the window saw, ids sorted.
     layers : the per-layer moments of all its embeddings.
     job_tokens : job id -> embeddings it counted (per layer), for its status.
+    names : hashed word key -> its name (word-unit collections), stored with the key's
+        record when the key is first written to its shard.
     """
 
     tokens: TokenMoments
     layers: LayerMoments
     job_tokens: dict = field(default_factory=dict)
+    names: dict = field(default_factory=dict)
 
     @property
     def counted(self) -> int:

@@ -52,7 +52,7 @@ from embgeom.store.shards import piece_tokens_for
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Worker", "redis_client", "new_worker_id", "live_workers"]
+__all__ = ["Worker", "redis_client", "new_worker_id", "publish_heartbeat", "live_workers"]
 
 
 class HandBack(Exception):
@@ -83,6 +83,7 @@ class Window:
     acc: WindowAccumulator
     held: list = field(default_factory=list)          # Held
     deliveries: list = field(default_factory=list)    # Delivery, same order
+    names: dict = field(default_factory=dict)         # hashed word key -> name
     started: float = field(default_factory=time.monotonic)
 
 
@@ -122,13 +123,14 @@ class Worker:
         self.registry = registry or ModelRegistry.from_settings(settings)
         self.pool = pool or ModelPool.from_settings(self.registry, settings)
         self.id = worker_id or new_worker_id()
-        self.queue = JobQueue(client, settings.max_attempts)
+        self.queue = JobQueue(client, settings.max_attempts, retention_seconds=settings.retention_seconds)
         self.collections = Collections(client)
         self.checkpointer = Checkpointer(
             client, self.id, piece_bytes=settings.piece_bytes,
             lock_ms=int(settings.lease_seconds * 1000),
             horizon_ms=int(settings.checkpoint_horizon_seconds * 1000),
-            lease_ms=int(settings.lease_seconds * 1000), max_segments=settings.max_segments)
+            lease_ms=int(settings.lease_seconds * 1000), max_segments=settings.max_segments,
+            retention_seconds=settings.retention_seconds)
         self.models = list(settings.worker_models or self.registry.names())
         self._engine_factory = engine_factory or self._default_engine
         self._engines: dict[tuple[str, int], object] = {}
@@ -174,18 +176,22 @@ class Worker:
             self.queue.prune_consumers(self.models)
         except redis.RedisError as exc:
             log.debug("could not prune idle consumers: %s", exc)
+        self._recover_pending = True
         self._recover_own()
         feeder.start()
         try:
             while not self.stop_event.is_set():
                 try:
+                    if self._recover_pending:
+                        self._recover_own()
                     self.step()
                 except (redis.ConnectionError, redis.TimeoutError, StoreUnavailable) as exc:
                     log.warning("worker %s lost Redis (%s); retrying", self.id, exc)
                     self._drop_window(hand_back=False)  # the jobs stay pending under our id
+                    self._drain_ready(hand_back=False)  # and so do the prepared ones: recovered below
                     self.queue.forget_groups()  # a restarted Redis may have lost them
                     self.stop_event.wait(0.5)
-                    self._recover_own()
+                    self._recover_pending = True
                 except Exception as exc:
                     # Never let one bad moment end the worker: the window's jobs go back to
                     # the queue, this time as a failed attempt (a job that always breaks
@@ -197,7 +203,7 @@ class Worker:
         finally:
             self.stop_event.set()
             feeder.join(timeout=30)
-            self._hand_back_ready()
+            self._drain_ready(hand_back=True)
             self._applying.put(None)
             applier.join(timeout=600)
             self._beat_stop.set()
@@ -247,7 +253,8 @@ class Worker:
                     else:
                         # Nothing anywhere: sleep until a submission says there is, or
                         # a while (expired leases are found by polling).
-                        self.queue.wait_for_work(self.models, self.IDLE_WAIT_MS, self._notified)
+                        self.queue.note(self.queue.wait_for_work(self.models, self.IDLE_WAIT_MS,
+                                                                 self._notified))
                     continue
                 self._feeder_idle.clear()
                 with self._lock:
@@ -293,11 +300,13 @@ class Worker:
 
     def _recover_own(self) -> None:
         """Entries this worker id holds from before (a restart with the same id, or a
-        reconnect): delivered again, with new epochs."""
+        reconnect): delivered again, with new epochs. Tried again at every turn of the
+        main loop until Redis answers."""
         try:
             while not self.stop_event.is_set():
                 delivery = self.queue.own_pending(self.id, self.models)
                 if delivery is None:
+                    self._recover_pending = False
                     return
                 with self._lock:
                     self._held[delivery.job_id] = delivery
@@ -306,6 +315,7 @@ class Worker:
                     self.checkpoint()
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             log.debug("could not recover own entries yet: %s", exc)
+            self.stop_event.wait(0.2)
 
     # -------------------------------------------------------------- pair state
     def pair_conf(self, pair: K.PairKeys, gen: int) -> PairConf:
@@ -320,7 +330,8 @@ class Worker:
             self.settings.shards, self.settings.chunk_bytes, info.architecture, time.time()))
 
     def _default_engine(self, conf: PairConf, model: str):
-        rule = CountingRule(conf.layers, conf.key, conf.include_special, conf.self_similarity)
+        rule = CountingRule(conf.layers, conf.key, conf.include_special, conf.self_similarity,
+                            conf.unit)
         return Engine(self.pool.get(model), rule, self.settings.token_budget,
                       self.settings.reduce_precision)
 
@@ -386,6 +397,7 @@ class Worker:
                 self._current, self._progress = None, None
         w.held.append(Held(d.job_id, d.entry_id, d.epoch, item.job.counted))
         w.deliveries.append(d)
+        w.names.update(item.job.names)
         return "merged"
 
     def _window_due(self) -> bool:
@@ -460,13 +472,15 @@ class Worker:
             else:
                 self._release(current)
 
-    def _hand_back_ready(self) -> None:
+    def _drain_ready(self, hand_back: bool) -> None:
+        """Empty the prepared-jobs queue: hand them back, or (Redis lost) just stop
+        holding them: they stay pending under this worker id."""
         while True:
             try:
                 item = self._ready.get_nowait()
             except queue_mod.Empty:
                 return
-            self._hand_back(item.delivery)
+            (self._hand_back if hand_back else self._release)(item.delivery)
 
     # ------------------------------------------------------------- checkpoint
     def checkpoint(self, background: bool = False) -> str:
@@ -481,11 +495,20 @@ class Worker:
         self._last_window_size = max(self._last_window_size, len(w.acc))
         with self.clock.timed("export"):
             tokens, layers = w.acc.export()
-        moments = WindowMoments(tokens, layers, {h.job_id: h.tokens for h in w.held})
+        moments = WindowMoments(tokens, layers, {h.job_id: h.tokens for h in w.held}, w.names)
         cp = new_checkpoint_id()
         piece_tokens = piece_tokens_for(w.conf, self.settings.piece_bytes)
-        with self.clock.timed("seal"):
-            sealed = self.checkpointer.seal(w.pair, w.conf.gen, cp, w.held, w.stream, piece_tokens)
+        try:
+            with self.clock.timed("seal"):
+                sealed = self.checkpointer.seal(w.pair, w.conf.gen, cp, w.held, w.stream,
+                                                piece_tokens)
+        except (redis.ConnectionError, redis.TimeoutError, StoreUnavailable):
+            # Sealed or not, the jobs stay pending under this worker id: no longer held
+            # (nor refreshed), they come back by _recover_own or, after their lease, by a
+            # rescan; a sealed checkpoint is then adopted.
+            for d in w.deliveries:
+                self._release(d)
+            raise
         if sealed.status == "void":
             for d in w.deliveries:
                 self.queue.fail(d.pair, d.job_id, d.stream, d.entry_id,
@@ -553,6 +576,7 @@ class Worker:
             self.clock.add("bytes_written", 0, out.shards.bytes_written + out.layer_bytes)
             with self.clock.timed("ack"):
                 self.queue.ack_many(stream, [h.entry_id for h in held])
+                self.queue.retire_refs([h.job_id for h in held])
             if out.status == "completed":
                 self.checkpoints += 1
                 self.jobs_done += len(held)
@@ -585,15 +609,16 @@ class Worker:
         engine = self.engine(conf, d.pair.model)
         acc = self._accumulator(conf, engine)
         payloads = [self.r.get(d.pair.payload(j)) for j in record["jobs"]]
-        held = []
+        held, names = [], {}
         for job_id, entry, epoch, payload in zip(record["jobs"], record["entries"],
                                                  record["epochs"], payloads):
             job = engine.prepare(json.loads(payload))
             for batch in job.batches:
                 acc.add(*engine.run(batch, acc.layers))
             held.append(Held(job_id, entry, epoch, job.counted))
+            names.update(job.names)
         tokens, layers = acc.export()
-        moments = WindowMoments(tokens, layers, {h.job_id: h.tokens for h in held})
+        moments = WindowMoments(tokens, layers, {h.job_id: h.tokens for h in held}, names)
         return self._apply_sealed(d.pair, conf, d.checkpoint, moments, held, record["stream"],
                                   record["piece_tokens"], [d])
 
@@ -613,10 +638,8 @@ class Worker:
         details_ttl = math.ceil(self.settings.worker_silence_seconds) + 1
         while True:
             try:
-                with self.r.pipeline(transaction=False) as p:
-                    p.zadd(K.WORKERS, {self.id: time.time()})
-                    p.set(K.worker(self.id), json.dumps(self.heartbeat_details()), ex=details_ttl)
-                    p.execute()
+                publish_heartbeat(self.r, self.id, self.heartbeat_details(),
+                                  self.settings.worker_silence_seconds, details_ttl)
                 with self._lock:
                     held = list(self._held.values())
                     current, progress = self._current, self._progress
@@ -633,6 +656,18 @@ class Worker:
                 log.debug("heartbeat failed: %s", exc)
             if self._beat_stop.wait(period):
                 return
+
+
+def publish_heartbeat(client: redis.Redis, worker_id: str, details: dict,
+                      silence_seconds: float, details_ttl: int) -> None:
+    """One heartbeat: the worker's score in ``eg:workers`` and its details (expiring);
+    ids silent for ten silence windows (SIGKILLed workers) leave the set."""
+    with client.pipeline(transaction=False) as p:
+        now = time.time()
+        p.zadd(K.WORKERS, {worker_id: now})
+        p.zremrangebyscore(K.WORKERS, "-inf", now - 10 * silence_seconds)
+        p.set(K.worker(worker_id), json.dumps(details), ex=details_ttl)
+        p.execute()
 
 
 def live_workers(client: redis.Redis, silence_seconds: float) -> list[dict]:

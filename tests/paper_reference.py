@@ -51,6 +51,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import weakref
 from dataclasses import dataclass, field
 from typing import Hashable, Literal, Sequence
 
@@ -127,25 +128,34 @@ def paper_key(token: str, scheme: Scheme = "auto") -> str:
     raise ValueError(f"unknown scheme {scheme!r}")
 
 
+_SCHEMES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
 def marker_scheme(tokenizer) -> Scheme:
     """Which subword marker a fast tokenizer writes: ``wordpiece`` (``##``), ``bytelevel``
-    (``Ġ``), ``sentencepiece`` (``▁``) or ``none``, read from its ``tokenizers`` JSON.
+    (``Ġ``), ``sentencepiece`` (``▁``) or ``none``, read from its ``tokenizers`` JSON
+    (cached per tokenizer object: the JSON holds the whole vocabulary, ~50 ms to write).
 
     The paper decides by model name (save_token_stats.py:84-91, ``'bert'`` -> ``##``, else
     ``Ġ``); reading the tokenizer gives the same answer for its six models and also covers
     MiniLM and MPNet (WordPiece), whose names the paper's scripts would reject
     (save_token_stats.py:27-28).
     """
+    if tokenizer in _SCHEMES:
+        return _SCHEMES[tokenizer]
     spec = json.loads(tokenizer.backend_tokenizer.to_str())
     model = spec.get("model") or {}
-    if model.get("type") == "WordPiece":
-        return "wordpiece"
     text = json.dumps([spec.get("pre_tokenizer"), spec.get("decoder")])
-    if '"ByteLevel"' in text:
-        return "bytelevel"
-    if '"Metaspace"' in text:
-        return "sentencepiece"
-    return "none"
+    if model.get("type") == "WordPiece":
+        scheme = "wordpiece"
+    elif '"ByteLevel"' in text:
+        scheme = "bytelevel"
+    elif '"Metaspace"' in text:
+        scheme = "sentencepiece"
+    else:
+        scheme = "none"
+    _SCHEMES[tokenizer] = scheme
+    return scheme
 
 
 def _bos_eos(tokenizer) -> tuple[str, str]:

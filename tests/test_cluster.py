@@ -252,9 +252,10 @@ def test_cluster_matches_standalone(cluster, standalone, tmp_path):
                 for texts in jobs:
                     want += expected_counts(tokenizer, texts)
                 assert Counter({t: v[0] for t, v in got[c]["tokens"][0].items()}) == want
-            # Every stream drained: nothing left, nothing pending.
-            streams = JobQueue(rc).streams([MODEL])
-            assert sorted(streams) == sorted(p.jobs for p in pairs.values())
+            # Every stream drained: nothing left, nothing pending (a drained stream may
+            # already have left the workers' directory: a rescan retires empty ones).
+            streams = sorted(p.jobs for p in pairs.values())
+            assert set(JobQueue(rc).streams([MODEL])) <= set(streams)
             assert [rc.xlen(s) for s in streams] == [0, 0]
             assert [rc.xpending(s, K.GROUP)["pending"] for s in streams] == [0, 0]
 

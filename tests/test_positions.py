@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from embgeom.compute.positions import (
-    batches_by_token_budget, canonical_token, encode, key_map, lookup_key, pad_batch,
+    WORD_KEY_BASE, batches_by_token_budget, canonical_token, encode, is_word_key, key_map,
+    lookup_key, pad_batch, string_hashes, token_markers, word_key_of_hash,
 )
 
 class Window(namedtuple("Window", "text_index input_ids keys counted")):
@@ -130,7 +131,8 @@ def test_no_texts():
 
 def test_string_keys_merge_subword_markers(tokenizer):
     assert canonical_token("##ing") == "ing" and canonical_token("\u0120the") == "the"
-    assert canonical_token("\u2581the") == "the" and canonical_token("##") == "##"
+    # a lone marker is emptied, as the paper's code does (so "ĠĠ" -> "Ġ" stays apart)
+    assert canonical_token("\u2581the") == "the" and canonical_token("##") == ""
     mapping = key_map(tokenizer, "string")
     vocab = tokenizer.get_vocab()
     # "##s" and "s" are one key, the smaller of the two ids
@@ -144,6 +146,33 @@ def test_string_keys_merge_subword_markers(tokenizer):
         assert canonical_token(tokens[mapping[i]]) == canonical_token(tokens[i])
 
 
+def paper_partition_check(tok):
+    """String keys group the vocabulary exactly as the paper's key does (the token string
+    with the tokenizer's marker stripped, tests/paper_reference.py), and a key's string is
+    the paper's."""
+    from tests.paper_reference import marker_scheme, paper_key
+
+    scheme = marker_scheme(tok)
+    tokens = tok.convert_ids_to_tokens(list(range(len(tok))))
+    mapping = key_map(tok, "string")
+    by_paper = {}
+    for i, t in enumerate(tokens):
+        by_paper.setdefault(paper_key(t, scheme), i)
+    assert [by_paper[paper_key(t, scheme)] for t in tokens] == mapping.tolist()
+    markers = token_markers(tok)
+    assert [canonical_token(t, markers) for t in tokens] == [paper_key(t, scheme) for t in tokens]
+    return scheme
+
+
+def test_string_keys_are_the_papers_keys(tokenizer, bytelevel_tokenizer):
+    assert paper_partition_check(tokenizer) == "wordpiece"
+    assert paper_partition_check(bytelevel_tokenizer) == "bytelevel"
+    vocab = bytelevel_tokenizer.get_vocab()
+    # a byte-level vocabulary's literal "###" is not "#" with a WordPiece marker
+    assert lookup_key(bytelevel_tokenizer, "###", "string") != lookup_key(bytelevel_tokenizer, "#", "string")
+    assert lookup_key(bytelevel_tokenizer, "\u0120the", "string") == key_map(bytelevel_tokenizer, "string")[vocab["the"]]
+
+
 def test_string_keys_in_encoding(tokenizer):
     text = "walks walking"  # walk ##s, walk ##ing
     (by_id,) = encode_windows(tokenizer, [text], 64)
@@ -151,6 +180,148 @@ def test_string_keys_in_encoding(tokenizer):
     mapping = key_map(tokenizer, "string")
     assert by_string.keys == tuple(int(mapping[i]) for i in by_id.input_ids)
     assert by_string.counted == by_id.counted
+
+
+# ----------------------------------------------------------------------------- words
+
+WORD_TEXTS = ["Embeddings are unbelievably fun: e-mail covid19 walks!",
+              "The embeddings of Transformers, embeddings again."]
+
+
+def reference_words(tokenizer, text, include_special=False):
+    """The words of one text from its own tokenizer call, independently of the module:
+    ``(input_ids, [positions of each word])`` in order; a word is a run of positions with
+    the same word id, an added special token (no word id) a word of its own."""
+    enc = tokenizer(text, return_special_tokens_mask=True)
+    groups, previous = [], None
+    for p, (word, special) in enumerate(zip(enc.word_ids(), enc["special_tokens_mask"])):
+        if special and not include_special:
+            previous = None
+            continue
+        if word is not None and word == previous:
+            groups[-1].append(p)
+        else:
+            groups.append([p])
+        previous = word
+    return enc, groups
+
+
+def word_name(tokenizer, text, enc, group):
+    """A multi-piece word's name for a WordPiece tokenizer, from the text, not from its
+    pieces: the normalised (lowercased) characters the word covers."""
+    start, end = enc["offset_mapping"][group[0]][0], enc["offset_mapping"][group[-1]][1]
+    return tokenizer.backend_tokenizer.normalizer.normalize_str(text[start:end])
+
+
+@pytest.mark.parametrize("key", ["id", "string"])
+@pytest.mark.parametrize("include_special", [False, True])
+def test_words_follow_the_tokenizers_word_ids(tokenizer, key, include_special):
+    enc = encode(tokenizer, WORD_TEXTS, 512, include_special, key, unit="word")
+    tokens = encode(tokenizer, WORD_TEXTS, 512, include_special, key)
+    assert enc.counted.tolist() == tokens.counted.tolist()
+    for w in range(enc.num_windows):
+        text = WORD_TEXTS[enc.text_index[w]]
+        ref, groups = reference_words(tokenizer, text, include_special)
+        ref_offsets = tokenizer(text, return_offsets_mapping=True)
+        sl = enc.window(w)
+        starts, keys = enc.unit_start[sl], enc.keys[sl]
+        assert np.flatnonzero(starts).tolist() == [g[0] for g in groups]
+        for g in groups:
+            assert len(set(keys[g].tolist())) == 1  # every piece carries its word's key
+            word_key = int(keys[g[0]])
+            if len(g) == 1:  # a one-piece word keeps its token's key
+                assert word_key == int(tokens.keys[sl][g[0]])
+                continue
+            assert word_key >= WORD_KEY_BASE
+            assert enc.names[word_key] == word_name(tokenizer, text, ref_offsets, g)
+            assert lookup_key(tokenizer, enc.names[word_key], key, "word") == word_key
+    assert enc.num_units == sum(len(reference_words(tokenizer, t, include_special)[1])
+                                for t in WORD_TEXTS)
+    # the same word in two texts is one key; "embeddings" = em ##bed ##ding ##s
+    assert list(enc.names.values()).count("embeddings") == 1
+    assert lookup_key(tokenizer, "embeddings", key, "word") in set(enc.keys.tolist())
+
+
+def test_a_word_cut_by_a_window_boundary_is_two_words(tokenizer):
+    text = "Embeddings are unbelievably fun"  # [CLS] em ##bed ##ding ##s are un ##bel ##ie ##va ##bly fun [SEP]
+    enc = encode(tokenizer, [text], 8, unit="word", key="id")
+    starts = [enc.unit_start[enc.window(w)] for w in range(enc.num_windows)]
+    # window 0: em ##bed ##ding ##s | are | un; window 1: ##bel ##ie ##va ##bly | fun
+    assert [np.flatnonzero(s).tolist() for s in starts] == [[1, 5, 6], [1, 5]]
+    names = sorted(enc.names.values())
+    assert names == ["##believably", "embeddings"]  # id keys keep a fragment's marker
+    assert enc.num_units == 5
+    assert encode(tokenizer, [text], 8, unit="word", key="string").names.get(
+        lookup_key(tokenizer, "believably", "string", "word")) == "believably"
+
+
+def test_word_hashes_compose_and_stay_above_the_vocabulary(tokenizer):
+    from embgeom.compute.positions import _segment_hash
+
+    parts = ["em", "bed", "", "dings", "été", "▁x"]
+    h, lengths = string_hashes(parts)
+    whole, _ = string_hashes(["".join(parts)])
+    assert (_segment_hash(h, lengths, np.array([0])) == whole).all()
+    halves, _ = string_hashes(["embed", "dingsété▁x"])
+    assert (_segment_hash(h, lengths, np.array([0, 3])) == halves).all()
+    keys = word_key_of_hash(string_hashes(["embed", "embedding", "a" * 5000])[0])
+    assert keys.dtype == np.int64 and (keys >= WORD_KEY_BASE).all() and len(set(keys.tolist())) == 3
+    assert is_word_key(keys).all() and not is_word_key(np.arange(len(tokenizer))).any()
+
+
+def test_word_keys_unknown_to_token_collections(tokenizer):
+    assert lookup_key(tokenizer, "embeddings", "string") is None  # token unit: not a token
+    assert lookup_key(tokenizer, "the", "string", "word") == lookup_key(tokenizer, "the", "string")
+    assert lookup_key(tokenizer, "##s", "string", "word") == lookup_key(tokenizer, "s", "string")
+
+
+@pytest.fixture(scope="module")
+def bytelevel_tokenizer():
+    """SmolLM2's byte-level BPE tokenizer (the packaged model's, converted once)."""
+    from transformers import AutoTokenizer
+
+    from embgeom.sources import default_cache_dir, smollm2_path
+
+    try:
+        return AutoTokenizer.from_pretrained(str(smollm2_path(default_cache_dir())))
+    except FileNotFoundError as exc:
+        pytest.skip(f"SmolLM2 is not installed: {exc}")
+
+
+def test_bytelevel_words_are_keyed_by_their_name(bytelevel_tokenizer):
+    tok = bytelevel_tokenizer
+    # Embed dings | Ġand | Ġembeddings | , | ĠEmbed dings | Ġ 7 | Ġ 2 0 2 4
+    text = "Embeddings and embeddings, Embeddings 7 2024"
+    by_string = encode(tok, [text], 512, key="string", unit="word")
+    by_id = encode(tok, [text], 512, key="id", unit="word")
+    ref, groups = reference_words(tok, text)
+    assert np.flatnonzero(by_string.unit_start).tolist() == [g[0] for g in groups]
+    first = lambda enc: [int(enc.keys[g[0]]) for g in groups]  # noqa: E731
+    s, i = first(by_string), first(by_id)
+    vocab = tok.get_vocab()
+    # string keys: "Embed dings" at the start and "ĠEmbed dings" mid-text are one word
+    # "Embeddings"; " 7" (Ġ 7) is the vocabulary token "7"; " 2024" is the word "2024"
+    assert s[0] == s[4] and by_string.names[s[0]] == "Embeddings"
+    assert s[5] == key_map(tok, "string")[vocab["7"]]
+    assert by_string.names[s[6]] == "2024" and s[6] >= WORD_KEY_BASE
+    assert s[2] == key_map(tok, "string")[vocab["Ġembeddings"]]  # a one-piece word
+    # id keys keep the leading-space marker apart, as they keep Ġthe apart from the
+    assert i[0] != i[4] and by_id.names[i[0]] == "Embeddings" and by_id.names[i[4]] == "ĠEmbeddings"
+    assert by_id.names[i[5]] == "Ġ7" and by_id.names[i[6]] == "Ġ2024"
+    for enc, key in ((by_string, "string"), (by_id, "id")):
+        for k, name in enc.names.items():
+            assert lookup_key(tok, name, key, "word") == k
+    assert lookup_key(tok, "ĠEmbeddings", "string", "word") == s[0]
+
+
+def test_padded_word_batch_keeps_word_starts(tokenizer):
+    enc = encode(tokenizer, WORD_TEXTS, 512, unit="word", key="string")
+    batch = pad_batch(enc, np.array([1, 0]), pad_id=tokenizer.pad_token_id)
+    for row, w in enumerate([1, 0]):
+        length = int(enc.lengths[w])
+        assert batch.unit_start[row, :length].tolist() == enc.unit_start[enc.window(w)].tolist()
+        assert not batch.unit_start[row, length:].any()
+    assert int(batch.unit_start.sum()) == enc.num_units
 
 
 # ----------------------------------------------------------------------------- batching

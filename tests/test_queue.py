@@ -32,7 +32,8 @@ def test_superseded_delivery_can_neither_requeue_nor_dead_letter(redis_server):
     job_id, _ = q.submit(JobRequest("c", "minilm", ["some text"]), ["minilm"])
     stale = q.take("w1", ["minilm"], lease_seconds=60, block_ms=100)
     time.sleep(0.05)
-    fresh = q.take("w2", ["minilm"], lease_seconds=0.01, block_ms=100)  # takes it over
+    # Another worker (its own queue object, as every worker has) takes it over.
+    fresh = JobQueue(r, max_attempts=5).take("w2", ["minilm"], lease_seconds=0.01, block_ms=100)
     assert fresh is not None and fresh.epoch == stale.epoch + 1
     assert q.retry_later(stale, "boom") is False
     assert q.fail(stale.pair, job_id, stale.stream, stale.entry_id, "boom", epoch=stale.epoch) is False
@@ -42,3 +43,49 @@ def test_superseded_delivery_can_neither_requeue_nor_dead_letter(redis_server):
     # The owner can still requeue it.
     assert q.retry_later(fresh, "owner's error") is True
     assert q.status(job_id)["status"] == "queued"
+
+
+def test_idle_polls_touch_only_notified_pairs_and_rescans_retire_empty_streams(redis_server):
+    """Worker polling costs the same however many pairs were ever created: between
+    rescans, a take polls only the streams notifications named; a rescan drops the empty
+    streams from the directory, and a delivery puts its pair back."""
+    r = redis_client(redis_server.url)
+    q = JobQueue(r)
+    for i in range(30):  # 30 pairs ever created, each with a job that then ended
+        job_id, _ = q.submit(JobRequest(f"old{i}", "minilm", ["x"]), ["minilm"])
+        d = q.take("w", ["minilm"], lease_seconds=60, block_ms=0, only=K.PairKeys(f"old{i}", "minilm").jobs)
+        q.ack(d.stream, d.entry_id)
+    worker = JobQueue(r)
+    assert worker.take("w", ["minilm"], lease_seconds=60, block_ms=0) is None  # a rescan
+    assert r.scard(K.streams("minilm")) == 0  # every stream was empty: retired
+    job_id, _ = q.submit(JobRequest("new", "minilm", ["y"]), ["minilm"])
+    # Between rescans nothing is polled until a notification names the pair.
+    assert worker.take("w", ["minilm"], lease_seconds=60, block_ms=0) is None
+    worker.note(worker.wait_for_work(["minilm"], 100, {K.notify("minilm"): "0-0"}))
+    d = worker.take("w", ["minilm"], lease_seconds=60, block_ms=0)
+    assert d is not None and d.job_id == job_id
+    assert r.sismember(K.streams("minilm"), "new:minilm")  # back in the directory while it runs
+
+
+def test_heartbeat_prunes_workers_silent_for_ten_silence_windows(redis_server):
+    from embgeom.worker import live_workers, publish_heartbeat
+
+    r = redis_client(redis_server.url)
+    now = time.time()
+    r.zadd(K.WORKERS, {"sigkilled": now - 1000, "slow": now - 5})
+    publish_heartbeat(r, "me", {"id": "me"}, silence_seconds=10, details_ttl=11)
+    assert sorted(m.decode() for m in r.zrange(K.WORKERS, 0, -1)) == ["me", "slow"]
+    assert 0 < r.ttl(K.worker("me")) <= 11
+    assert [w["id"] for w in live_workers(r, 10)] == ["me"]
+
+
+def test_an_idempotency_key_may_not_outlive_its_jobs_record():
+    """Past the record, a retry would find no job and be counted again: refused at start."""
+    import pytest
+    from pydantic import ValidationError
+
+    from embgeom.settings import Settings
+
+    with pytest.raises(ValidationError, match="must not exceed retention_seconds"):
+        Settings(idempotency_ttl_seconds=7200, retention_seconds=3600)
+    assert Settings(idempotency_ttl_seconds=3600, retention_seconds=3600).retention_seconds == 3600

@@ -79,7 +79,7 @@ def held_jobs(r, pair, count):
         q.submit(JobRequest(pair.collection, pair.model, [f"text {i}"]), [pair.model])
     out = []
     for _ in range(count):
-        d = q.take("w", [pair.model], 60, block_ms=0)
+        d = q.take("w", [pair.model], 60, block_ms=0, only=pair.jobs)
         out.append(Held(d.job_id, d.entry_id, d.epoch, tokens=7))
     return out
 
@@ -357,3 +357,67 @@ def test_pieces_are_deterministic_and_cover_each_token_once():
     assert all(len(rows) <= 11 for _, _, rows in a)
     for s, _, rows in a:
         assert (shard_of(ids[rows], conf.shards) == s).all()
+
+
+def test_ended_jobs_expire_and_a_redelivery_past_the_horizon_counts_nothing(r):
+    """Job records live ``retention_seconds`` after their checkpoint completes; an entry
+    redelivered after that (an ack lost with its worker) is acknowledged, not recounted,
+    and leaves no record behind."""
+    pair = K.PairKeys("retained", "m")
+    conf = make_conf(r, pair)
+    rng = np.random.default_rng(8)
+    keys = rng.integers(0, 10, size=30)
+    x, tok, lay = points_window(rng, keys)
+    jobs = held_jobs(r, pair, 2)
+    checkpoint(r, pair, conf, tok, lay, jobs, cpr=Checkpointer(r, "w", retention_seconds=1))
+    q = JobQueue(r, retention_seconds=1)
+    q.retire_refs([j.job_id for j in jobs])
+    for j in jobs:
+        assert q.status(j.job_id)["status"] == "done"
+        assert 0 < r.pttl(pair.job(j.job_id)) <= 1000
+        assert 0 < r.pttl(K.jobref(j.job_id)) <= 1000
+        assert not r.exists(pair.payload(j.job_id))
+    time.sleep(1.2)
+    assert not any(r.exists(pair.job(j.job_id), K.jobref(j.job_id)) for j in jobs)
+    # The second job's entry was acknowledged; the first one's ack was lost with its
+    # worker: it is still pending, and another worker reclaims it after its lease.
+    q.ack_many(pair.jobs, [jobs[1].entry_id])
+    assert q.take("w2", [pair.model], 0.5, block_ms=0, only=pair.jobs) is None
+    assert not r.exists(pair.job(jobs[0].job_id))  # no counters recreated
+    assert r.xlen(pair.jobs) == 0 and r.xpending(pair.jobs, K.GROUP)["pending"] == 0
+    assert_matches(r, pair, reference(keys, x))  # counted once
+
+
+def test_a_job_of_a_deleted_collection_is_voided_at_delivery_without_running(r):
+    pair = K.PairKeys("voided", "m")
+    q = JobQueue(r)
+    job_id, _ = q.submit(JobRequest(pair.collection, pair.model, ["a text"]), [pair.model])
+    Collections(r).delete(pair.collection)
+    assert q.take("w", [pair.model], 60, block_ms=0, only=pair.jobs) is None
+    status = q.status(job_id)
+    assert status["status"] == "failed" and "deleted" in status["error"]
+    assert not r.exists(pair.payload(job_id))
+    assert r.xlen(pair.jobs) == 0
+
+
+def test_one_idempotency_key_raced_for_two_pairs_names_one_job(r):
+    """The cross-pair claim is atomic: of two submissions racing with one key for two
+    collections, exactly one is accepted, the other is refused (422)."""
+    from embgeom.errors import InvalidInput
+
+    for round_ in range(20):
+        key, outcomes = f"race-{round_}", []
+        barrier = threading.Barrier(2)
+
+        def submit(collection):
+            q = JobQueue(r)  # a client is thread-safe: each command takes a pooled connection
+            barrier.wait()
+            try:
+                outcomes.append(q.submit(JobRequest(collection, "m", ["t"]), ["m"], key)[1])
+            except InvalidInput as exc:
+                outcomes.append(exc.type)
+
+        threads = [threading.Thread(target=submit, args=(c,)) for c in (f"a{round_}", f"b{round_}")]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+        assert sorted(map(str, outcomes)) == ["True", "idempotency_key_reused"], outcomes

@@ -6,13 +6,15 @@ the host memory: CPU work, run on the worker's prefetch thread while the device 
 and :meth:`Engine.run` (copy to the device without blocking, forward, reduce: device
 work, on the worker's main thread).
 
-What a collection counts (its key, its layers, special tokens, self-similarity) comes
-from :class:`CountingRule`, decided once per (collection, model) and fixed.
+What a collection counts (its key, its unit, its layers, special tokens, self-similarity)
+comes from :class:`CountingRule`, decided once per (collection, model) and fixed. With the
+word unit, each batch's hidden states are pooled into one row per word (the mean of its
+pieces, :func:`pool_words`) before the reduction, which then sees words as it sees tokens.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import numpy as np
@@ -20,10 +22,10 @@ import torch
 
 from embgeom.compute.models import LoadedModel
 from embgeom.compute.positions import PaddedBatch, batches_by_token_budget, encode, pad_batch
-from embgeom.compute.reduce import reduce_batch
+from embgeom.compute.reduce import PRECISIONS, reduce_batch
 from embgeom.stats import LayerMoments, TokenMoments
 
-__all__ = ["CountingRule", "PreparedJob", "Engine", "POOLINGS", "text_embeddings"]
+__all__ = ["CountingRule", "PreparedJob", "Engine", "POOLINGS", "pool_words", "text_embeddings"]
 
 
 @dataclass(frozen=True)
@@ -35,15 +37,18 @@ class CountingRule:
     key: str = "id"
     include_special: bool = False
     self_similarity: bool = True
+    unit: str = "token"
 
 
 @dataclass
 class PreparedJob:
-    """A job's texts, ready for the device: its batches and how many embeddings count."""
+    """A job's texts, ready for the device: its batches, how many embeddings count (per
+    layer: tokens, or words), and the names of its hashed word keys."""
 
     batches: list
     counted: int
     windows: int
+    names: dict = field(default_factory=dict)
 
 
 class Engine:
@@ -61,15 +66,17 @@ class Engine:
         """Tokenise and batch (host work; thread-safe)."""
         info = self.loaded.info
         enc = encode(self.loaded.tokenizer, texts, info.max_length, self.rule.include_special,
-                     self.rule.key)
+                     self.rule.key, self.rule.unit)
         batches = []
         for windows in batches_by_token_budget(enc.lengths, self.token_budget):
             batches.append(self._to_tensors(pad_batch(enc, windows, self.loaded.pad_id)))
-        return PreparedJob(batches, enc.num_counted, enc.num_windows)
+        return PreparedJob(batches, enc.num_units, enc.num_windows, enc.names)
 
     def _to_tensors(self, batch: PaddedBatch) -> dict:
-        out = {name: torch.from_numpy(getattr(batch, name))
-               for name in ("input_ids", "attention", "keys", "counted")}
+        names = ("input_ids", "attention", "keys", "counted")
+        if self.rule.unit == "word":
+            names += ("unit_start",)
+        out = {name: torch.from_numpy(getattr(batch, name)) for name in names}
         if self._pin:
             out = {k: v.pin_memory() for k, v in out.items()}
         return out
@@ -81,8 +88,45 @@ class Engine:
         dev = self.loaded.device
         moved = {k: v.to(dev, non_blocking=True) for k, v in batch.items()}
         hidden = self.loaded.hidden_states(moved["input_ids"], moved["attention"])
-        return reduce_batch(hidden, self.rule.layers, moved["keys"], moved["counted"],
-                            self.rule.self_similarity, self.precision, comoment)
+        layers, keys, counted = self.rule.layers, moved["keys"], moved["counted"]
+        if "unit_start" in moved:
+            hidden, keys = pool_words(hidden, layers, keys, counted, moved["unit_start"],
+                                      PRECISIONS[self.precision])
+            layers, counted = range(len(layers)), torch.ones_like(keys, dtype=torch.bool)
+        return reduce_batch(hidden, layers, keys, counted, self.rule.self_similarity,
+                            self.precision, comoment)
+
+
+def pool_words(hidden_states: Sequence[torch.Tensor], layers: Sequence[int], keys: torch.Tensor,
+               counted: torch.Tensor, unit_start: torch.Tensor,
+               dtype: torch.dtype) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """One row per word: the mean of its pieces' states (segment sums, no loop per word).
+
+    Parameters
+    ----------
+    hidden_states : L+1 tensors (B, T, d), the forward's.
+    layers : the indices of ``hidden_states`` to pool.
+    keys, counted, unit_start : (B, T): each position's key (its word's), whether it
+        counts, whether it starts a word; a word's pieces are the counted positions from
+        its start to the next start, in row-major order (never across rows).
+    dtype : the arithmetic of the sums (the reduction's work precision).
+
+    Returns
+    -------
+    ``(pooled, word_keys)``: per kept layer a (1, Nw, d) tensor in ``dtype``, and the
+    words' keys (1, Nw), for :func:`~embgeom.compute.reduce.reduce_batch` with layers
+    ``0..len(layers)-1`` and every row counted.
+    """
+    starts = unit_start[counted]                                 # (N,) bool
+    word = torch.cumsum(starts, 0) - 1                           # (N,) word of each piece
+    num_words = int(starts.sum())
+    size = torch.bincount(word, minlength=num_words).to(dtype)[:, None]
+    pooled = []
+    for layer in layers:
+        x = hidden_states[layer][counted].to(dtype)
+        sums = torch.zeros((num_words, x.shape[1]), dtype=dtype, device=x.device)
+        pooled.append((sums.index_add_(0, word, x) / size)[None])
+    return pooled, keys[counted][starts][None]
 
 
 POOLINGS = ("cls", "mean", "last")

@@ -89,8 +89,9 @@ def new_checkpoint_id() -> str:
 class Checkpointer:
     def __init__(self, client: redis.Redis, worker_id: str, piece_bytes: int = 8 << 20,
                  lock_ms: int = 30_000, horizon_ms: int = 3_600_000, lease_ms: int = 60_000,
-                 max_segments: int = 8):
+                 max_segments: int = 8, retention_seconds: int = 7 * 24 * 3600):
         self.r = client
+        self.retention_seconds = retention_seconds
         self.worker_id = worker_id
         self.piece_bytes = piece_bytes
         self.horizon_ms = horizon_ms
@@ -154,7 +155,7 @@ class Checkpointer:
         t0 = time.perf_counter()
         try:
             result.shards = self.shards.apply(parts, conf, cp, window.tokens, piece_tokens,
-                                              lambda: self._check(pair, cp))
+                                              lambda: self._check(pair, cp), window.names)
             t1 = time.perf_counter()
             due, result.layer_bytes = self.layers.put(parts, conf, cp, window.layers,
                                                       self._check(pair, cp))
@@ -181,7 +182,8 @@ class Checkpointer:
         member = json.dumps({"cp": cp, "gen": conf.gen, "shards": touched}, separators=(",", ":"))
         keys = [pair.gen, pair.inflight, pair.checkpoint(cp), pair.meta, pair.done]
         keys += [pair.job(j.job_id) for j in jobs] + [pair.payload(j.job_id) for j in jobs]
-        status, version = COMPLETE(self.r, keys, [cp, member, *[j.tokens for j in jobs]])
+        status, version = COMPLETE(self.r, keys, [cp, member, self.retention_seconds,
+                                                  *[j.tokens for j in jobs]])
         return {1: "completed", 0: "already", -1: "void"}[int(status)], int(version)
 
     # ----------------------------------------------------------------- prune

@@ -3,7 +3,7 @@
 One stream per (collection, model) pair (``eg:{c:m}:jobs``), in the pair's hash slot,
 one consumer group ``workers`` on each. A stream entry carries only a job id; the texts
 wait in the pair's payload key and the status in the pair's job hash (see
-:mod:`embgeom.keys`). So submission, delivery, requeue, dead letter, ack and commit each
+:mod:`embgeom.store.keys`). So submission, delivery, requeue, dead letter, ack and commit each
 touch one slot only, and work unchanged on Redis Cluster. Workers find the streams of
 the models they serve in ``eg:streams:<model>`` and poll them one at a time, round-robin
 (no cross-slot XREADGROUP). A delivery bumps the job's ``epoch``: only the newest
@@ -27,7 +27,7 @@ import redis
 
 from embgeom.errors import InvalidInput, NotFound, Overloaded
 from embgeom.store import keys as K
-from embgeom.store.scripts import PROGRESS, REFRESH
+from embgeom.store.scripts import CLAIM_KEY, PROGRESS, REFRESH
 
 __all__ = ["JobRequest", "Delivery", "JobQueue"]
 
@@ -71,14 +71,17 @@ def request_fingerprint(request: JobRequest) -> str:
 
 class JobQueue:
     def __init__(self, client: redis.Redis, max_attempts: int = 3, max_pending: int = 10000,
-                 idempotency_ttl: int = 7 * 24 * 3600):
+                 idempotency_ttl: int = 7 * 24 * 3600, retention_seconds: int = 7 * 24 * 3600):
         self.r = client
         self.max_attempts = max_attempts
         self.max_pending = max_pending
         self.idempotency_ttl = idempotency_ttl
+        self.retention_seconds = retention_seconds
         self._groups: set[str] = set()
         self._claim_cursor: dict[str, bytes | str] = {}
         self._turn = 0  # round-robin start among the streams polled by take()
+        self._hot: set[str] = set()  # streams named by notifications, not yet found empty
+        self._next_rescan = 0.0
 
     # ------------------------------------------------------------- submission
     def ensure_group(self, stream: str) -> None:
@@ -156,7 +159,7 @@ class JobQueue:
         # Directory entries first, each an idempotent command in its own slot: once the
         # MULTI below has run, the job can be found (status by id, its stream by the
         # workers, its pair in the listing). If the MULTI never runs they are orphans,
-        # which is harmless (see embgeom.keys).
+        # which is harmless (see embgeom.store.keys).
         with self.r.pipeline(transaction=False) as p:
             p.set(K.jobref(job_id), pair.pair)
             p.sadd(K.streams(request.model), pair.pair)
@@ -233,22 +236,30 @@ class JobQueue:
     def _claim_key(self, pair: K.PairKeys, idempotency_key: str, fingerprint: str) -> None:
         """Record which pair an Idempotency-Key belongs to; refuse its reuse for another.
 
-        The job id is kept per pair (``eg:{c:m}:idem:<key>``, in the MULTI); this global
-        pointer only lets a reuse of the key with another collection or model be
-        refused, as long as the first pair's job still counts.
+        The job id is kept per pair (``eg:{c:m}:idem:<key>``, in the submission's MULTI);
+        this global pointer, claimed atomically (:data:`~embgeom.store.scripts.CLAIM_KEY`),
+        refuses the key for another collection or model while the first pair's claim
+        stands: a claim whose job does not exist yet (a submission in flight) stands, and
+        only a job of a since-deleted generation gives the key up (a compare-and-set, so
+        two racing takeovers cannot both win).
         """
         owner_key = K.idempotency(idempotency_key)
-        if self.r.set(owner_key, pair.pair, nx=True, ex=self.idempotency_ttl):
+        owner = CLAIM_KEY(self.r, [owner_key], [pair.pair, self.idempotency_ttl, ""])
+        owner = owner.decode() if isinstance(owner, bytes) else owner
+        if owner == pair.pair:
             return
-        owner = self.r.get(owner_key)
-        if owner is None or owner.decode() == pair.pair:
-            self.r.set(owner_key, pair.pair, ex=self.idempotency_ttl)
-            return
-        other = K.PairKeys(*K.split_pair(owner.decode()))
+        other = K.PairKeys(*K.split_pair(owner))
+        refused = InvalidInput("this Idempotency-Key was used for a different request",
+                               type="idempotency_key_reused")
         # Raises idempotency_key_reused while the other pair's job counts (the
-        # fingerprints differ: they include the pair).
-        if self._replay(other, idempotency_key, fingerprint) is None:
-            self.r.set(owner_key, pair.pair, ex=self.idempotency_ttl)
+        # fingerprints differ: they include the pair); None when it does not.
+        if self.r.get(other.idem(idempotency_key)) is None:
+            raise refused  # claimed by a submission still in flight (or one that failed)
+        if self._replay(other, idempotency_key, fingerprint) is not None:
+            raise refused
+        taken = CLAIM_KEY(self.r, [owner_key], [pair.pair, self.idempotency_ttl, owner])
+        if (taken.decode() if isinstance(taken, bytes) else taken) != pair.pair:
+            raise refused
 
     def _replay(self, pair: K.PairKeys, idempotency_key: str, fingerprint: str) -> Optional[str]:
         """The job an idempotency key already names in this pair, if it still counts.
@@ -301,19 +312,36 @@ class JobQueue:
              block_ms: int = 1000, only: Optional[str] = None) -> Optional[Delivery]:
         """Next job for this worker: a silent worker's expired job first, then a new one.
 
-        The pairs' streams are polled one at a time (a read of several streams would be
-        cross-slot on a cluster), starting one further along at each call so that no
-        pair starves the others; ``only`` polls that one stream (a worker filling the
-        window of one pair). With nothing anywhere, waits up to ``block_ms`` (at most
-        250 ms) and returns None.
+        Which streams it polls, one at a time (a read of several streams would be
+        cross-slot on a cluster):
+
+        - ``only``: that one stream (a worker filling the window of one pair);
+        - otherwise the streams named by recent notifications (:meth:`note`), so an idle
+          poll costs the same however many pairs were ever created;
+        - and, every half lease, every stream in the directory (a *rescan*): it reclaims
+          the entries of silent workers (XAUTOCLAIM), catches a lost notification, and
+          retires from the directory the streams left empty.
+
+        Streams are taken one further along at each call so that no pair starves the
+        others. With nothing anywhere, waits up to ``block_ms`` (at most 250 ms) and
+        returns None.
         """
-        streams = [only] if only is not None else self.streams(models)
+        if only is not None:
+            streams, rescan = [only], True
+        else:
+            now = time.monotonic()
+            rescan = now >= self._next_rescan
+            if rescan:
+                self._next_rescan = now + max(0.5, lease_seconds / 2)
+                streams = self._rescan(models)
+            else:
+                streams = sorted(self._hot)
         if streams and only is None:
             self._turn = (self._turn + 1) % len(streams)
             streams = streams[self._turn:] + streams[:self._turn]
         for stream in streams:
             self.ensure_group(stream)
-        for stream in streams:
+        for stream in streams if rescan else ():
             # Resume the scan where the last one stopped: one XAUTOCLAIM call looks at a
             # bounded number of pending entries, and an expired entry further down must
             # still be found when many workers hold fresh ones.
@@ -332,9 +360,37 @@ class JobQueue:
             for _, entries in got or []:
                 for entry_id, fields in entries:
                     return self._deliver(worker_id, stream, entry_id, fields)
+            self._hot.discard(stream)  # drained: until the next notification
         if block_ms > 0:
             time.sleep(min(block_ms, 250) / 1000)
         return None
+
+    def note(self, pairs: Sequence[str]) -> None:
+        """Pairs a notification named: their streams are polled until found empty."""
+        for p in pairs:
+            self._hot.add(K.PairKeys(*K.split_pair(p)).jobs)
+
+    def _rescan(self, models: Sequence[str]) -> list[str]:
+        """Every stream of the directory; the empty ones leave it (XLEN 0: nothing queued,
+        nothing pending). A submission that races this re-adds its pair, and its
+        notification and its first delivery name the pair again (see :meth:`_deliver`)."""
+        pairs = {m: self.r.smembers(K.streams(m)) for m in models}
+        streams = []
+        with self.r.pipeline(transaction=False) as p:
+            flat = [(m, raw) for m, members in pairs.items() for raw in members]
+            for _, raw in flat:
+                p.xlen(K.PairKeys(*K.split_pair(raw.decode())).jobs)
+            lengths = p.execute() if flat else []
+        empty = [(m, raw) for (m, raw), n in zip(flat, lengths) if n == 0]
+        if empty:
+            with self.r.pipeline(transaction=False) as p:
+                for m, raw in empty:
+                    p.srem(K.streams(m), raw)
+                p.execute()
+        for (m, raw), n in zip(flat, lengths):
+            if n:
+                streams.append(K.PairKeys(*K.split_pair(raw.decode())).jobs)
+        return sorted(set(streams))
 
     def own_pending(self, worker_id: str, models: Sequence[str]) -> Optional[Delivery]:
         """A job this worker id was given before and has not finished (after a reconnect)."""
@@ -361,7 +417,10 @@ class JobQueue:
             epoch, attempts, (status, error, job_gen, checkpoint), payload, gen = p.execute()
         status = (status or b"").decode()
         if status in TERMINAL or payload is None:
-            # Finished before (its ack was lost in a crash): acknowledge, count nothing.
+            # Finished before (its ack was lost in a crash), or so long ago that its
+            # records are gone (past the retention horizon): acknowledge, count nothing.
+            if not status:
+                self.r.delete(job_key)  # only the counters HINCRBY just recreated
             self.ack(stream, entry_id)
             return None
         if int(job_gen or 0) != int(gen or 0):
@@ -375,8 +434,11 @@ class JobQueue:
             self.fail(pair, job_id, stream, entry_id,
                       f"gave up after {attempts - 1} attempts; last error: {last}")
             return None
-        self.r.hset(job_key, mapping={"status": "running", "worker": worker_id,
-                                      "started_at": repr(_now())})
+        with self.r.pipeline(transaction=False) as p:
+            p.hset(job_key, mapping={"status": "running", "worker": worker_id,
+                                     "started_at": repr(_now())})
+            p.sadd(K.streams(pair.model), pair.pair)  # back in the directory while it runs
+            p.execute()
         entry = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
         return Delivery(job_id, entry, stream, pair, int(epoch), int(attempts),
                         json.loads(payload), int(gen or 0), checkpoint)
@@ -413,6 +475,14 @@ class JobQueue:
 
     def ack(self, stream: str, entry_id: bytes) -> None:
         self.ack_many(stream, [entry_id])
+
+    def retire_refs(self, job_ids: Sequence[str]) -> None:
+        """Ended jobs' directory entries live as long as their records (retention)."""
+        if job_ids:
+            with self.r.pipeline(transaction=False) as p:
+                for job_id in job_ids:
+                    p.expire(K.jobref(job_id), self.retention_seconds)
+                p.execute()
 
     def ack_many(self, stream: str, entry_ids: Sequence) -> None:
         """Acknowledge and delete entries of one stream (a checkpoint's jobs)."""
@@ -469,7 +539,11 @@ class JobQueue:
         def write(p):
             p.hset(pair.job(job_id), mapping={"status": "failed", "error": error,
                                               "finished_at": repr(_now())})
+            p.expire(pair.job(job_id), self.retention_seconds)
             p.delete(pair.payload(job_id))
             p.xack(stream, K.GROUP, entry_id)
             p.xdel(stream, entry_id)
-        return self._as_owner(pair.job(job_id), epoch, write)
+        owned = self._as_owner(pair.job(job_id), epoch, write)
+        if owned:
+            self.retire_refs([job_id])
+        return owned

@@ -26,6 +26,9 @@ spread over a cluster and checkpoints of different workers write them in paralle
     :scal     hash  key -> float64[1 + 2 L]       (n, M per layer, m2 per layer): scans
     :bkt      hash  bucket -> float64[2 + L d]    (types, sum n_t, sum n_t mean_t): filters
     :agg      string float64[2 + L]               (types, sum n_t, sum m2_t per layer)
+    :name     hash  key -> UTF-8 name                (hashed word keys >= 2**62 only, written
+                                                     with the key's first record: their
+                                                     names are not in the tokenizer)
     :applied  hash  checkpoint id -> its pieces applied here ("0,1,...")
     :lock     string fencing token of the worker applying to this shard (PX lease)
     :dead     string set when the generation is deleted: later writes are refused
@@ -139,7 +142,7 @@ class PartTag:
         return f"PartTag({self.tag!r})"
 
 
-SHARD_KEYS = ("rec", "unit", "scal", "bkt", "agg", "applied", "lock")
+SHARD_KEYS = ("rec", "unit", "scal", "bkt", "agg", "name", "applied", "lock")
 LAYER_PART_KEYS = ("seg", "folded", "lock")
 
 

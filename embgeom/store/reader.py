@@ -274,6 +274,22 @@ class Reader:
         return [None if r is None else np.frombuffer(r, dtype=codec.F64)[position * d:(position + 1) * d]
                 for r in replies]
 
+    def names(self, state: PairState, keys: Sequence[int]) -> Plan:
+        """Stored names of hashed word keys (see :mod:`embgeom.store.keys`): dict key ->
+        str, one HMGET per shard; a key without a stored name is left out."""
+        keys = np.asarray(keys, dtype=np.int64)
+        if keys.shape[0] == 0:
+            return {}
+        parts = state.pair.parts(state.gen)
+        shards = shard_of(keys, state.conf.shards)
+        order = np.argsort(shards, kind="stable")
+        groups = np.split(order, np.flatnonzero(np.diff(shards[order])) + 1)
+        replies = yield [("hmget", parts.shard(int(shards[g[0]])).name,
+                          [str(int(k)) for k in keys[g]]) for g in groups]
+        return {int(k): raw.decode("utf-8", "surrogatepass")
+                for g, reply in zip(groups, replies) for k, raw in zip(keys[g], reply)
+                if raw is not None}
+
     # ----------------------------------------------------------------- buckets
     def buckets(self, state: PairState, buckets: Sequence[int]) -> Plan:
         """Summed bucket aggregates over all shards: types, count, vector (L, d)."""
@@ -347,3 +363,39 @@ class Reader:
         last = np.r_[ids[1:] != ids[:-1], True] if len(ids) else np.zeros(0, dtype=bool)
         order = order[last]
         return ids[last], ns[order], m2s[order], means[order]
+
+    def means_of(self, state: PairState, keys: Sequence[int], positions: Sequence[int],
+                 step_bytes: int = 32 << 20) -> Plan:
+        """The records of the given token keys only: n (k,), m2 (k, P), mean (k, P, d) at
+        the kept-layer ``positions``, row i for ``keys[i]``; a key never seen has n = 0 and
+        zeros. Unlike :meth:`means`, what it reads grows with ``len(keys)``, not with every
+        token ever seen: a caller that selects (count filter, sample) from the scalars
+        first reads only what it uses.
+
+        HMGET per shard, in steps of at most ``step_bytes`` of records."""
+        conf = state.conf
+        parts = state.pair.parts(state.gen)
+        L, d = conf.L, conf.d
+        pos = list(positions)
+        keys = np.asarray(keys, dtype=np.int64)
+        k = keys.shape[0]
+        n = np.zeros(k)
+        m2 = np.zeros((k, len(pos)))
+        mean = np.zeros((k, len(pos), d))
+        width = 1 + L + L * d
+        per_step = max(1, step_bytes // (8 * width))
+        shards = shard_of(keys, conf.shards) if k else np.zeros(0, dtype=np.int64)
+        # Rows grouped by shard (one HMGET per shard and step), in key order within a shard.
+        order = np.lexsort((keys, shards))
+        for s0 in range(0, k, per_step):
+            rows = order[s0:s0 + per_step]
+            groups = np.split(rows, np.flatnonzero(np.diff(shards[rows])) + 1)
+            replies = yield [("hmget", parts.shard(int(shards[g[0]])).rec,
+                              [str(int(x)) for x in keys[g]]) for g in groups]
+            for g, raws in zip(groups, replies):
+                present, got = codec.unpack_rows(raws, width)
+                g_n, g_m2, g_mean = codec.from_rec(got, L, d)
+                n[g] = np.where(present, g_n, 0.0)
+                m2[g] = g_m2[:, pos]
+                mean[g] = g_mean[:, pos]
+        return n, m2, mean

@@ -14,7 +14,7 @@ import hashlib
 
 import redis
 
-__all__ = ["Script", "CHECK", "NOW", "SEAL", "COMPLETE", "ADOPT", "RENEW", "APPLY_PIECE", "PUT_SEGMENT", "FOLD",
+__all__ = ["Script", "CLAIM_KEY", "CHECK", "NOW", "SEAL", "COMPLETE", "ADOPT", "RENEW", "APPLY_PIECE", "PUT_SEGMENT", "FOLD",
            "KILL_PART", "PROGRESS", "REFRESH"]
 
 _NOW = """
@@ -45,6 +45,18 @@ class Script:
         blocks its ``eval``/``evalsha`` helpers."""
         pipe.execute_command("EVAL", self.source, len(keys), *keys, *args)
 
+
+# An Idempotency-Key's owner pair, claimed or taken over atomically.
+# KEYS: eg:idem:<key>. ARGV: pair, ttl_seconds, expected (the owner a takeover replaces, or '')
+# -> the owner after the call (ours when claimed, refreshed or taken over)
+CLAIM_KEY = Script("""
+local owner = redis.call('GET', KEYS[1])
+if (not owner) or owner == ARGV[1] or (ARGV[3] ~= '' and owner == ARGV[3]) then
+  redis.call('SET', KEYS[1], ARGV[1], 'EX', tonumber(ARGV[2]))
+  return ARGV[1]
+end
+return owner
+""")
 
 # Is a checkpoint still in flight, and when is it (Redis's clock, in the pair's slot)?
 # KEYS: inflight. ARGV: cp -> {1 | 0, now}
@@ -78,18 +90,23 @@ redis.call('ZADD', KEYS[2], now, ARGV[1])
 return {1, now}
 """)
 
-# Complete: every part holds the checkpoint; its jobs are done, once.
+# Complete: every part holds the checkpoint; its jobs are done, once. Their records then
+# live ``retention`` seconds (a redelivery after that finds no record: acknowledged, not
+# counted again).
 # KEYS: gen, inflight, cp, meta, done, job x m, payload x m.
-# ARGV: cp, done-member, tokens x m -> {1, version} | {0, 0} (completed before) | {-1, 0} (void)
+# ARGV: cp, done-member, retention, tokens x m
+# -> {1, version} | {0, 0} (completed before) | {-1, 0} (void)
 COMPLETE = Script("""
 if redis.call('EXISTS', KEYS[3]) == 0 then return {0, 0} end
 local m = (#KEYS - 5) / 2
 local cpgen = redis.call('HGET', KEYS[3], 'gen')
 local at = string.format('%.3f', now / 1000)
+local keep = tonumber(ARGV[3])
 if (redis.call('GET', KEYS[1]) or '0') ~= cpgen then
   for i = 1, m do
     redis.call('HSET', KEYS[5 + i], 'status', 'failed', 'finished_at', at,
                'error', 'the collection was deleted while the job was running')
+    redis.call('EXPIRE', KEYS[5 + i], keep)
     redis.call('DEL', KEYS[5 + m + i])
   end
   redis.call('DEL', KEYS[3])
@@ -97,8 +114,9 @@ if (redis.call('GET', KEYS[1]) or '0') ~= cpgen then
   return {-1, 0}
 end
 for i = 1, m do
-  redis.call('HSET', KEYS[5 + i], 'status', 'done', 'progress', '1.0', 'tokens', ARGV[2 + i],
+  redis.call('HSET', KEYS[5 + i], 'status', 'done', 'progress', '1.0', 'tokens', ARGV[3 + i],
              'finished_at', at, 'error', '')
+  redis.call('EXPIRE', KEYS[5 + i], keep)
   redis.call('DEL', KEYS[5 + m + i])
 end
 local v = redis.call('HINCRBY', KEYS[4], 'version', 1)
@@ -136,9 +154,9 @@ return 1
 
 # Apply one piece of a checkpoint to a token shard, once. The caller holds the shard's
 # lock (fencing token ARGV[1]) and checked, at ARGV[4], that the checkpoint is in flight.
-# KEYS: lock, applied, dead, rec, unit, scal, bkt, agg.
+# KEYS: lock, applied, dead, rec, unit, scal, bkt, agg, name.
 # ARGV: fence, cp, piece, checked_ms, max_age_ms, unlock, n_rec, n_unit, n_scal, n_bkt,
-#       field/value pairs..., agg
+#       n_name, field/value pairs..., agg
 # -> 1 applied | 2 already there | 0 lock lost | -1 generation deleted | -2 check too old
 APPLY_PIECE = Script("""
 local function release() if ARGV[6] == '1' then redis.call('DEL', KEYS[1]) end end
@@ -150,7 +168,7 @@ if have and string.find(',' .. have .. ',', ',' .. ARGV[3] .. ',', 1, true) then
   release()
   return 2
 end
-local i = 11
+local i = 12
 local function put(key, count)
   local j = 0
   while j < count do
@@ -168,6 +186,7 @@ put(KEYS[4], tonumber(ARGV[7]))
 put(KEYS[5], tonumber(ARGV[8]))
 put(KEYS[6], tonumber(ARGV[9]))
 put(KEYS[7], tonumber(ARGV[10]))
+put(KEYS[9], tonumber(ARGV[11]))
 redis.call('SET', KEYS[8], ARGV[i])
 redis.call('HSET', KEYS[2], ARGV[2], have and (have .. ',' .. ARGV[3]) or ARGV[3])
 release()

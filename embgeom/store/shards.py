@@ -14,8 +14,9 @@ One round, for a group of shards::
     HGET applied, HMGET rec/unit of the touched keys, HGETALL bkt, GET agg    (one pipeline)
     numpy                Chan-merge every touched token (float64), bucket and agg deltas
     APPLY_PIECE x p      per piece, atomically: fence still ours, piece not yet applied,
-                         check younger than the horizon -> HSET records, bkt, agg, mark
-                         the piece applied; the shard's last piece releases the lock
+                         check younger than the horizon -> HSET records, bkt, agg (and the
+                         names of hashed word keys new to the shard), mark the piece
+                         applied; the shard's last piece releases the lock
 
 A piece already marked applied (a checkpoint redelivered after a crash) is skipped, and
 its tokens are not merged again. A lost lock (a lease that expired) redoes that shard's
@@ -28,12 +29,13 @@ import random
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
 import redis
 
 from embgeom.errors import CheckTooOld, GenerationDeleted, StoreUnavailable
+from embgeom.keyspace import is_word_key
 from embgeom.stats import BUCKET_EDGES, TokenMoments, bucket_index, chan_merge
 from embgeom.store import codec
 from embgeom.store.conf import PairConf, shard_of
@@ -91,11 +93,14 @@ class ShardWriter:
         self.group_bytes = group_bytes
 
     def apply(self, parts: PartKeys, conf: PairConf, cp: str, tokens: TokenMoments,
-              piece_tokens: int, check: Callable[[], int]) -> ApplyStats:
+              piece_tokens: int, check: Callable[[], int],
+              names: Optional[dict] = None) -> ApplyStats:
         """Apply ``tokens`` (sorted keys) as checkpoint ``cp``; returns what it took.
 
         ``check()`` verifies the checkpoint is still in flight and returns Redis's time
-        in ms (raising if it was completed meanwhile)."""
+        in ms (raising if it was completed meanwhile). ``names`` holds the name of every
+        hashed word key among ``tokens`` (word-unit collections)."""
+        names = names or {}
         stats = ApplyStats()
         pending: dict[int, list[tuple[int, np.ndarray]]] = {}
         for s, p, rows in pieces_of(tokens.ids, conf, piece_tokens):
@@ -111,7 +116,8 @@ class ShardWriter:
                     break
                 group.append(s)
                 size += n * per_token * 3
-            done = self._round(parts, conf, cp, tokens, {s: pending[s] for s in group}, check, stats)
+            done = self._round(parts, conf, cp, tokens, {s: pending[s] for s in group}, check,
+                               stats, names)
             for s in done:
                 pending.pop(s)
             if len(done) < len(group):
@@ -120,7 +126,7 @@ class ShardWriter:
         return stats
 
     # ------------------------------------------------------------------ one round
-    def _round(self, parts, conf, cp, tokens, group, check, stats) -> list[int]:
+    def _round(self, parts, conf, cp, tokens, group, check, stats, names) -> list[int]:
         """Lock, read, merge and write a group of shards; returns the shards finished."""
         stats.rounds += 1
         t0 = time.perf_counter()
@@ -139,7 +145,7 @@ class ShardWriter:
             state = self._read(parts, conf, cp, tokens, {s: group[s] for s in locked}, stats)
             t2 = time.perf_counter()
             stats.seconds["read"] += t2 - t1
-            writes = self._merge(conf, cp, tokens, state, stats)
+            writes = self._merge(conf, cp, tokens, state, stats, names)
             t3 = time.perf_counter()
             stats.seconds["merge"] += t3 - t2
             finished = self._write(parts, cp, fence, checked, writes, stats)
@@ -189,7 +195,8 @@ class ShardWriter:
                         "rec": rec_raw, "unit": unit_raw}
         return state
 
-    def _merge(self, conf: PairConf, cp, tokens: TokenMoments, state: dict, stats) -> dict:
+    def _merge(self, conf: PairConf, cp, tokens: TokenMoments, state: dict, stats,
+               names: dict) -> dict:
         """Per shard, per piece: the field/value lists of its APPLY_PIECE call."""
         L, d = conf.L, conf.d
         writes = {}
@@ -226,9 +233,13 @@ class ShardWriter:
                 agg[1] += float(new.n.sum())
                 agg[2:] += (m2 - m2_old).sum(axis=0)
                 bkt_fields = [(str(b), memoryview(bkt[b].tobytes())) for b in sorted(touched)]
+                # A hashed word key's name goes with its first record in this shard (the
+                # shard's lock makes ``present`` exact): written once, in the record's slot.
+                fresh = [int(k) for k in new.ids[~present & is_word_key(new.ids)].tolist()]
+                name_fields = [(str(k), names[k].encode("utf-8", "surrogatepass")) for k in fresh]
                 calls.append((p, {"rec": list(zip(ids, rec)), "unit": list(zip(ids, unit)),
                                   "scal": list(zip(ids, scal)), "bkt": bkt_fields,
-                                  "agg": agg.tobytes()}))
+                                  "name": name_fields, "agg": agg.tobytes()}))
             writes[s] = calls
         return writes
 
@@ -262,15 +273,16 @@ class ShardWriter:
                     continue
                 for i, (piece, w) in enumerate(live):
                     args = [fence, cp, piece, checked, self.max_age_ms, int(i == len(live) - 1),
-                            len(w["rec"]), len(w["unit"]), len(w["scal"]), len(w["bkt"])]
-                    for name in ("rec", "unit", "scal", "bkt"):
+                            len(w["rec"]), len(w["unit"]), len(w["scal"]), len(w["bkt"]),
+                            len(w["name"])]
+                    for name in ("rec", "unit", "scal", "bkt", "name"):
                         for f, v in w[name]:
                             args.append(f)
                             args.append(v)
                             stats.bytes_written += len(v)
                     args.append(w["agg"])
                     APPLY_PIECE.queue(p, [keys.lock, keys.applied, keys.dead, keys.rec, keys.unit,
-                                          keys.scal, keys.bkt, keys.agg], args)
+                                          keys.scal, keys.bkt, keys.agg, keys.name], args)
                     order.append((s, piece, i == len(live) - 1))
             try:
                 results = p.execute()
