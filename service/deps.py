@@ -7,16 +7,17 @@ pool on the hot read paths.
 
 from __future__ import annotations
 
-import hmac
 from dataclasses import dataclass
 from typing import Annotated, Optional
 
 from fastapi import Depends, Path, Request
 
 from embgeom.compute.models import ModelInfo
-from embgeom.errors import EmbgeomError, InvalidInput, NotFound
+from embgeom.errors import InvalidInput, NotFound
 from embgeom.store import keys as K
 from embgeom.store.keys import PairKeys
+from service.auth import required_scope
+from service.errors import Forbidden, Unauthorized
 from service.runtime import Runtime
 
 NAME_DOC = "Matches ^[A-Za-z0-9_.-]{1,64}$"
@@ -28,19 +29,26 @@ async def get_runtime(request: Request) -> Runtime:
 
 RuntimeDep = Annotated[Runtime, Depends(get_runtime)]
 
-class Unauthorized(EmbgeomError):
-    type = "unauthorized"
-
 
 async def require_api_key(request: Request) -> None:
-    """When ``EMBGEOM_API_KEY`` is set, every /v1 route needs ``Authorization: Bearer <key>``.
-    (One dependency reading the header itself: it runs on every request.)"""
-    expected = request.app.state.runtime.settings.api_key
-    if not expected:
+    """When API keys are configured, a /v1 request (and /metrics, when asked) needs
+    ``Authorization: Bearer <key>`` with the scope its method calls for
+    (:mod:`service.auth`). One dependency on the whole app, reading the header itself:
+    it runs on every request, against keys parsed once at start-up."""
+    auth = request.app.state.auth
+    if not auth.enabled:
+        return
+    scope = required_scope(request.scope["method"], request.scope["path"], auth.metrics_protected)
+    if scope is None:
         return
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), expected.encode()):
-        raise Unauthorized("missing or wrong bearer token")
+    if scheme.lower() != "bearer" or not token:
+        raise Unauthorized("this route needs an API key: Authorization: Bearer <key>")
+    scopes = auth.scopes_of(token.strip())
+    if scopes is None:
+        raise Unauthorized("the bearer token is not a configured API key", invalid_token=True)
+    if scope not in scopes:
+        raise Forbidden(scope)
 
 
 async def valid_collection(collection: Annotated[str, Path(description=NAME_DOC)]) -> str:

@@ -63,7 +63,9 @@ def install(app) -> None:
     app.add_middleware(_Measure, metrics=metrics)
 
 
-@router.get("/metrics", include_in_schema=True, response_class=Response)
+@router.get("/metrics", include_in_schema=True, response_class=Response,
+            responses={200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}},
+                             "description": "Prometheus text exposition format"}})
 def metrics_endpoint(request: Request) -> Response:
     """Prometheus text exposition."""
     rt = request.app.state.runtime

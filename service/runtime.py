@@ -29,6 +29,7 @@ from embgeom.store.jobs import JobQueue
 from embgeom.store.reader import Reader, run_async, run_sync
 from embgeom.store.server import RedisServer
 from embgeom.worker import live_workers
+from service.limits import SyncRuns
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,7 @@ class Runtime:
     server: Optional[RedisServer] = None
     workers: list = field(default_factory=list)   # embedded worker processes
     _sync_pool: Optional[ModelPool] = None
+    _sync_runs: Optional[SyncRuns] = None
 
     async def read(self, plan):
         """Run a read plan on the async client (within ``store_timeout_seconds``)."""
@@ -79,6 +81,13 @@ class Runtime:
             self._sync_pool = ModelPool.from_settings(self.registry, self.settings)
         return self._sync_pool
 
+    @property
+    def sync_runs(self) -> SyncRuns:
+        """The bound on synchronous model runs at once (``max_sync_runs``; 429 beyond)."""
+        if self._sync_runs is None:
+            self._sync_runs = SyncRuns(self.settings.max_sync_runs)
+        return self._sync_runs
+
     @classmethod
     def open(cls, settings: Settings) -> "Runtime":
         server = None
@@ -87,12 +96,14 @@ class Runtime:
             server = RedisServer(settings.data_dir / "redis").start()
             url = server.url
             log.info("embedded Redis on %s, data in %s", url, server.data_dir)
-        client = redis_client(url)
+        # The sync client serves the thread-pool routes: a command Redis does not answer
+        # within store_timeout_seconds is a 503 there too, as on the async reads.
+        client = redis_client(url, socket_timeout=settings.store_timeout_seconds)
         registry = ModelRegistry.from_settings(settings)
         rt = cls(
             settings=settings, redis=client, aredis=async_redis_client(url), registry=registry,
             queue=JobQueue(client, settings.max_attempts, settings.max_pending_jobs,
-                           settings.idempotency_ttl_seconds),
+                           settings.idempotency_ttl_seconds, settings.retention_seconds),
             collections=Collections(client), reader=Reader(), server=server,
         )
         if server is not None:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+import math
+from typing import Annotated, Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from fastapi import Query
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from embgeom.store import keys as K
 
@@ -13,6 +16,98 @@ class ErrorBody(BaseModel):
     type: str = Field(description="Stable, machine-readable error type")
     message: str
     detail: dict = Field(default_factory=dict)
+
+
+# ------------------------------------------------------------------------ input checks
+# JSON as Python reads it admits what no statistic can use: NaN, Infinity and 1e999 (inf),
+# and "\ud800", a lone UTF-16 surrogate that decodes into a str no tokenizer, Redis or
+# UTF-8 encoder accepts. Both are 422 wherever they can enter: every request body derives
+# from RequestBody, which refuses them anywhere inside it (nested models, lists, dict keys
+# included); query floats use FiniteQuery. (Query strings and paths cannot carry a lone
+# surrogate: they are percent-decoded as UTF-8 with replacement.)
+
+
+def _at(path: list) -> str:
+    return "".join(f"[{p}]" if isinstance(p, int) else f".{p.encode('utf-8', 'backslashreplace').decode()}"
+                   for p in path).lstrip(".") or "value"
+
+
+def _problem(item: Any) -> Optional[str]:
+    """``lone_surrogate`` or ``finite_number`` when ``item`` itself (not what it holds) is one."""
+    if isinstance(item, str):
+        if not item.isascii():
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return "lone_surrogate"
+    elif isinstance(item, float) and not math.isfinite(item):
+        return "finite_number"
+    return None
+
+
+def _walk(value: Any, with_paths: bool):
+    """Every value inside decoded JSON ``value`` (dict keys included), with its path when
+    asked (the paths are built only to report a problem: the usual walk is path-free)."""
+    stack = [(value, [])]
+    while stack:
+        item, path = stack.pop()
+        yield item, path
+        if isinstance(item, dict):
+            for k, v in item.items():
+                stack.append((k, path + [k] if with_paths else path))
+                stack.append((v, path + [k] if with_paths else path))
+        elif isinstance(item, (list, tuple)):
+            stack.extend((v, path + [i] if with_paths else path) for i, v in enumerate(item))
+
+
+MESSAGES = {"lone_surrogate": "{where}: text is not valid Unicode (a lone surrogate)",
+            "finite_number": "{where}: the number must be finite"}
+
+
+def refuse_unusable(value: Any) -> None:
+    """Raise a pydantic error (``finite_number`` or ``lone_surrogate``) at a non-finite
+    number or a lone surrogate anywhere in decoded JSON ``value``."""
+    for item, _ in _walk(value, False):
+        if _problem(item) is not None:
+            break
+    else:
+        return
+    for item, path in _walk(value, True):
+        kind = _problem(item)
+        if kind is not None:
+            raise PydanticCustomError(kind, MESSAGES[kind], {"where": _at(path)})
+
+
+def _valid_text(text: str) -> str:
+    refuse_unusable(text)
+    return text
+
+
+# A text field: valid Unicode (for a str a model builds outside a request body).
+Text = Annotated[str, AfterValidator(_valid_text)]
+# A number field: finite (NaN, inf and 1e999 are 422).
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+# The largest integer a count or an id may take: exact as a JSON number in every client
+# (2^53 - 1), and within the 64 bits the response encoder writes. Beyond, 422.
+MAX_INT = 2**53 - 1
+
+
+def FiniteQuery(**kwargs: Any):
+    """``Query(...)`` for a float (in ``Annotated``): NaN, inf and 1e999 are 422."""
+    return Query(allow_inf_nan=False, **kwargs)
+
+
+class RequestBody(BaseModel):
+    """Base of every request body: unknown fields, non-finite numbers and lone surrogates
+    are 422, at any depth."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _usable(cls, data: Any) -> Any:
+        refuse_unusable(data)
+        return data
 
 
 class AsOf(BaseModel):
@@ -46,9 +141,7 @@ class ModelOut(BaseModel):
     error: Optional[str] = None
 
 
-class JobCreate(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class JobCreate(RequestBody):
     collection: str = Field("default", pattern=K.NAME_PATTERN)
     model: str = Field("minilm", pattern=K.NAME_PATTERN)
     texts: list[str] = Field(min_length=1)
@@ -63,10 +156,6 @@ class JobCreate(BaseModel):
         for i, t in enumerate(texts):
             if not t.strip():
                 raise ValueError(f"text {i} is empty")
-            try:
-                t.encode("utf-8")
-            except UnicodeEncodeError:
-                raise ValueError(f"text {i} is not valid Unicode (lone surrogate)") from None
         return texts
 
 
@@ -97,10 +186,8 @@ class CollectionOut(BaseModel):
     models: list[str]
 
 
-class CollectionSettingsIn(BaseModel):
+class CollectionSettingsIn(RequestBody):
     """Either a preset, or explicit settings (unset fields take the defaults)."""
-
-    model_config = ConfigDict(extra="forbid")
 
     preset: Optional[Literal["paper"]] = Field(
         None, description="paper: key by token string with subword markers stripped, special "
@@ -265,9 +352,7 @@ class ModelOutliers(BaseModel):
     as_of: Optional[AsOf]
 
 
-class SampleRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class SampleRequest(RequestBody):
     texts: list[str] = Field(min_length=1)
     zeta: float = Field(0.2, ge=0.0, le=1.0, description="Shrinkage weight of the reference")
     reference: Literal["collection", "identity"] = "collection"
@@ -283,16 +368,14 @@ class SampleIsotropy(BaseModel):
     isoscore_star: float
 
 
-class ProbeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class ProbeRequest(RequestBody):
     model: str = Field("minilm", pattern=K.NAME_PATTERN)
     layer: int = Field(ge=0)
     texts: list[str] = Field(min_length=4)
     labels: list[str | int] = Field(min_length=4, description="Two distinct values")
     pooling: Literal["cls", "mean", "last"] = "mean"
     test_fraction: float = Field(0.3, gt=0.0, lt=1.0)
-    seed: int = 0
+    seed: int = Field(0, ge=0, le=2**32 - 1, description="Seed of the train/test split")
     top_k: int = Field(10, ge=1, le=4096)
     include_special: bool = False
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import base64
 import json
+import os
+import signal
 import time
 
 import pytest
@@ -110,8 +112,8 @@ def post(json_body=None, **kwargs):
     return ("POST", "/v1/jobs", kwargs)
 
 
-def raw(content: bytes, content_type="application/json"):
-    return ("POST", "/v1/jobs", {"content": content, "headers": {"content-type": content_type}})
+def raw(content: bytes, content_type="application/json", url="/v1/jobs"):
+    return ("POST", url, {"content": content, "headers": {"content-type": content_type}})
 
 
 def get(url):
@@ -156,7 +158,7 @@ def test_bad_job_submissions(api):
         ("JSON array body", raw(b'["a", "b"]'), 422, V),
         ("JSON string body", raw(b'"a"'), 422, V),
         ("empty body", raw(b""), 422, V),
-        ("invalid UTF-8 body", raw(b'{"texts": ["\xff\xfe"]}'), 400, "http_error"),
+        ("invalid UTF-8 body", raw(b'{"texts": ["\xff\xfe"]}'), 400, "invalid_body"),
         ("idempotency key too long", post(ok, headers={"Idempotency-Key": "k" * 201}), 422, V),
     ]
     check_cases(api, cases)
@@ -281,3 +283,204 @@ def test_job_for_an_unavailable_model_fails_without_touching_statistics(api):
     assert {"name": "fresh", "models": ["broken"]} in after["collections"]
     r = api.get("/v1/collections/fresh/models/minilm/layers/0/decomposition")
     assert r.status_code == 404 and r.json()["type"] == "model_not_in_collection"
+
+
+# ------------------------------------------------------------ non-finite and surrogates
+
+SAMPLE = f"{BASE}/layers/3/isotropy/sample"
+PROBE = "/v1/probes/outlier-dimension"
+PROBE_OK = {"layer": 2, "texts": ["a b", "c d", "e f", "g h"], "labels": [0, 0, 1, 1]}
+
+
+def test_non_finite_numbers_and_lone_surrogates_are_422_wherever_they_enter(api):
+    # Python's JSON reads NaN, Infinity and 1e999 (inf); a query float parses "inf", "nan"
+    # and "1e999" alike. None is a number any statistic can use. A lone surrogate ("\ud800"
+    # in JSON) is a str that no tokenizer or UTF-8 encoder takes. Both were 500s outside
+    # job submission (threshold=inf on outliers; a surrogate in a sample's text).
+    out = f"{BASE}/layers/3/outliers"
+    cases = []
+    for spelling in ("inf", "-inf", "nan", "NaN", "1e999", "Infinity"):
+        cases += [
+            (f"outliers threshold={spelling}", get(f"{out}?threshold={spelling}"), 422, V),
+            (f"model outliers threshold={spelling}", get(f"{BASE}/outliers?threshold={spelling}"), 422, V),
+        ]
+    for literal in (b"NaN", b"Infinity", b"-Infinity", b"1e999"):
+        cases += [
+            (f"sample zeta={literal.decode()}",
+             raw(b'{"texts": ["a b c"], "zeta": ' + literal + b"}", url=SAMPLE), 422, V),
+            (f"probe test_fraction={literal.decode()}",
+             raw(json.dumps(PROBE_OK)[:-1].encode() + b', "test_fraction": ' + literal + b"}", url=PROBE),
+             422, V),
+            (f"job with a number {literal.decode()} as a text",
+             raw(b'{"collection": "other", "texts": [' + literal + b"]}"), 422, V),
+        ]
+    surrogate = b'"ok \\ud800 text"'
+    cases += [
+        ("sample text with a lone surrogate", raw(b'{"texts": [' + surrogate + b"]}", url=SAMPLE), 422, V),
+        ("sample text with a low surrogate", raw(b'{"texts": ["\\udc00"]}', url=SAMPLE), 422, V),
+        ("probe text with a lone surrogate",
+         raw(json.dumps({**PROBE_OK, "texts": ["a", "b", "c", "d"]}).replace('"d"', surrogate.decode()).encode(),
+             url=PROBE), 422, V),
+        ("probe label with a lone surrogate",
+         raw(json.dumps({**PROBE_OK, "labels": ["x", "x", "y", "z"]}).replace('"z"', surrogate.decode()).encode(),
+             url=PROBE), 422, V),
+        ("job field name with a lone surrogate",
+         raw(b'{"collection": "other", "texts": ["a"], ' + surrogate + b": 1}"), 422, V),
+        ("collection settings with a lone surrogate",
+         ("PUT", "/v1/collections/other", {"content": b'{"preset": ' + surrogate + b"}",
+                                           "headers": {"content-type": "application/json"}}), 422, V),
+    ]
+    check_cases(api, cases)
+
+
+def test_every_body_refuses_non_finite_numbers_and_lone_surrogates():
+    # Every request body of the app (a route added later included) derives from
+    # schemas.RequestBody, which refuses both anywhere inside it.
+    from service.schemas import RequestBody
+    from tests.test_auth import api_routes
+
+    app = create_app()
+    bodies = []
+    for path, methods, route in api_routes(app):
+        for param in route.dependant.body_params:
+            model = param.field_info.annotation if hasattr(param, "field_info") else param.type_
+            bodies.append((f"{sorted(methods)} {path}", model))
+    assert len(bodies) >= 4
+    wrong = [f"{where}: {model}" for where, model in bodies
+             if not (isinstance(model, type) and issubclass(model, RequestBody))]
+    assert not wrong, "request bodies not deriving from service.schemas.RequestBody:\n" + "\n".join(wrong)
+
+
+def test_every_query_float_refuses_non_finite_numbers():
+    from tests.test_auth import api_routes
+
+    app = create_app()
+    wrong = []
+    checked = 0
+
+    def params(dependant):
+        yield from dependant.query_params + dependant.path_params + dependant.header_params
+        for sub in dependant.dependencies:
+            yield from params(sub)
+
+    for path, methods, route in api_routes(app):
+        for field in params(route.dependant):
+            parsed = [field.validate(v, {}, loc=("query",)) for v in ("1.5", "0.5")]
+            if not any(not errors and isinstance(value, float) for value, errors in parsed):
+                continue  # not a float
+            checked += 1
+            for bad in ("inf", "-inf", "nan", "1e999"):
+                if not field.validate(bad, {}, loc=("query",))[1]:
+                    wrong.append(f"{sorted(methods)} {path} ?{field.name}={bad} is accepted")
+    assert checked >= 2
+    assert not wrong, "\n".join(wrong)
+
+
+def test_an_error_message_quoting_a_lone_surrogate_still_encodes(api):
+    # The error may quote what was sent (here, an unknown field whose name is a lone
+    # surrogate): the body is still UTF-8 JSON, the surrogate escaped.
+    r = api.post("/v1/jobs", content=b'{"texts": ["a"], "\\ud83d": 1}',
+                 headers={"content-type": "application/json"})
+    assert r.status_code == 422 and r.json()["type"] == V
+    r.content.decode("utf-8")
+    assert "\\ud83d" in r.json()["message"]
+
+
+# ------------------------------------------------------------------- 500 and 503
+
+@pytest.fixture
+def bare(redis_server):
+    """(app, client, server): the app on a real Redis, no worker, with routes that fail."""
+    app = create_app(settings_for(redis_server.url, store_timeout_seconds=1.0))
+
+    @app.get("/v1/test-boom")
+    def boom():
+        raise RuntimeError("a bug with a secret in its message")
+
+    with TestClient(app, raise_server_exceptions=False) as client:
+        yield app, client, redis_server
+
+
+def test_unexpected_exception_is_a_json_500_with_a_request_id(bare, caplog):
+    app, client, _ = bare
+    with caplog.at_level("ERROR", logger="service.errors"):
+        r = client.get("/v1/test-boom")
+    assert r.status_code == 500 and r.headers["content-type"] == "application/json"
+    body = r.json()
+    assert body["type"] == "internal_error" and set(body) == {"type", "message", "detail"}
+    request_id = body["detail"]["request_id"]
+    assert len(request_id) == 32 and r.headers["x-request-id"] == request_id
+    assert "secret" not in r.text and "Traceback" not in r.text  # the trace is in the log only
+    logged = [rec for rec in caplog.records if request_id in rec.getMessage()]
+    assert logged and logged[0].exc_info is not None
+
+
+def test_exception_inside_a_middleware_is_a_json_500(redis_server):
+    app = create_app(settings_for(redis_server.url))
+
+    class Broken:
+        def __init__(self, app):
+            self.app = app
+
+        async def __call__(self, scope, receive, send):
+            if scope["type"] == "http" and scope["path"] == "/healthz":
+                raise ValueError("middleware bug")
+            await self.app(scope, receive, send)
+
+    app.add_middleware(Broken)
+    with TestClient(app, raise_server_exceptions=False) as client:
+        r = client.get("/healthz")
+        assert r.status_code == 500 and r.json()["type"] == "internal_error"
+        assert "request_id" in r.json()["detail"]
+        assert client.get("/v1/collections").status_code == 200
+
+
+def _store_cases():
+    return [("GET", f"{BASE}/layers", {}),                                    # async read
+            ("GET", f"{BASE}/layers/1/tokens/1996", {}),                      # async read
+            ("GET", f"{BASE}/layers/1/isotropy", {}),                         # thread pool
+            ("GET", "/v1/collections", {}),                                   # thread pool
+            ("GET", "/v1/models", {}),
+            ("GET", "/v1/jobs/0123456789abcdef0123456789abcdef", {}),
+            ("POST", "/v1/jobs", {"json": {"texts": ["a b"]}}),               # a write
+            ("DELETE", "/v1/collections/gone", {}),
+            ("GET", f"{BASE}/layers/1/export?format=csv", {}),               # streamed once read
+            ("GET", f"{BASE}/figures/decomposition", {}),
+            ("GET", "/metrics", {})]
+
+
+def test_store_down_is_503_store_unavailable_everywhere(bare):
+    _, client, server = bare
+    server.kill()
+    problems = []
+    for method, url, kwargs in _store_cases():
+        r = client.request(method, url, **kwargs)
+        if r.status_code != 503 or r.json().get("type") != "store_unavailable" \
+                or r.headers.get("retry-after") != "1":
+            problems.append(f"{method} {url}: {r.status_code} {r.text[:160]}")
+    r = client.get("/readyz")
+    assert r.status_code == 503 and r.json()["redis"] is False
+    assert not problems, "\n".join(problems)
+
+
+def test_store_timeout_is_503_within_the_store_timeout(bare):
+    # A Redis that accepts connections and never answers (SIGSTOP): reads on the async
+    # client and commands of the sync one both give up after store_timeout_seconds (1 s).
+    _, client, server = bare
+    client.get(f"{BASE}/layers")
+    client.get("/v1/collections")  # both clients connected before the pause
+    os.kill(server.process.pid, signal.SIGSTOP)
+    try:
+        for method, url, kwargs in _store_cases()[:4]:
+            start = time.monotonic()
+            r = client.request(method, url, **kwargs)
+            took = time.monotonic() - start
+            assert r.status_code == 503 and r.json()["type"] == "store_unavailable", (url, r.text)
+            assert took < 8, (url, took)
+    finally:
+        os.kill(server.process.pid, signal.SIGCONT)
+    # and it recovers without a restart
+    deadline = time.monotonic() + 20
+    while client.get("/v1/collections").status_code != 200:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)

@@ -257,11 +257,10 @@ def check_layers(c: Checks, client, collection, raw, params):
         label = f"{collection} {tag} L{layer}"
         c.equal(f"{label} n", row["n"], ref["n"])
         c.equal(f"{label} num_types", row["num_types"], ref["num_types"])
+        # Each against the reference computed point by point from the raw states: its V_B
+        # is the spread of the per-token means (tests/reference.py), never V - V_W.
         for q in ("Q", "M", "V", "V_W", "V_B"):
             c.close(f"layer {q} ({tag})", f"{label} {q}", row[q], ref[q], ref["Q"], TOL)
-        # the identity, from the service's own numbers
-        c.close(f"identity Q-M-V_W-V_B ({tag})", f"{label} identity",
-                row["M"] + row["V_W"] + row["V_B"], row["Q"], row["Q"], 1e-12)
         for q in ("cv_Q", "slope", "r2"):
             c.close(f"summary {q} ({tag})", f"{label} {q}", row[q], summ[q],
                     max(1.0, abs(summ[q])), TOL_SUMMARY)

@@ -164,3 +164,37 @@ def test_errors_are_documented_with_type_and_message(doc):
                                  ("/v1/jobs/{job_id}", "get", "404"), (f"{C}/layers", "get", "404")]:
         schema = response_schema(doc, path, method, status)
         has_fields(doc, schema, "type message", f"{method.upper()} {path} -> {status}")
+
+
+def test_error_bodies_and_statuses_are_documented(live):
+    # The 422 body is our ErrorBody (what the app sends), not FastAPI's HTTPValidationError;
+    # an operation with a body documents 400 (not UTF-8 text) and 413; every /v1 operation
+    # documents 401, 403 and 503; 429 and 503 error bodies document Retry-After.
+    doc = live
+    assert "HTTPValidationError" not in doc["components"]["schemas"]
+    assert "ValidationError" not in doc["components"]["schemas"]
+    missing = []
+    for path, item in doc["paths"].items():
+        for method, op in item.items():
+            where = f"{method.upper()} {path}"
+            responses = op["responses"]
+            needed = set()
+            if op.get("parameters") or "requestBody" in op:
+                needed.add("422")
+            if "requestBody" in op:
+                needed |= {"400", "413", "422"}
+            if path.startswith("/v1/"):
+                needed |= {"401", "403", "503"}
+            missing += [f"{where}: {s}" for s in sorted(needed - set(responses))]
+            for status, response in responses.items():
+                if status.startswith(("4", "5")) and path != "/readyz":
+                    schema = response["content"]["application/json"]["schema"]
+                    if schema != {"$ref": "#/components/schemas/ErrorBody"}:
+                        missing.append(f"{where}: {status} is not an ErrorBody")
+                    if status in ("429", "503") and "Retry-After" not in response.get("headers", {}):
+                        missing.append(f"{where}: {status} without Retry-After")
+    assert not missing, "\n".join(missing)
+    for path, method in [("/v1/jobs", "post"), (f"{C}/layers/{{layer}}/isotropy/sample", "post"),
+                         ("/v1/probes/outlier-dimension", "post")]:
+        assert "429" in operation(doc, path, method)["responses"], f"{method.upper()} {path}: 429"
+    has_fields(doc, {"$ref": "#/components/schemas/ErrorBody"}, "type message detail", "ErrorBody")

@@ -11,11 +11,14 @@ thousand additions / multiplications, each adding a rounding error of eps times 
 of the quantities involved. The largest quantities are squared norms ``||x||^2``, so the
 natural scale of an absolute error on ``V`` (or ``m2 / n``) is ``Q = mean ||x||^2``:
 
-* general data: ``|m2 - m2_ref| <= 1e-9 * n * Q`` and ``|mean - mean_ref| <= 1e-9 * sqrt(Q)``
-  ("relative 1e-9 of Q-scale"). The expected error is ~1e-13 of that scale, so 1e-9 leaves
-  several orders of magnitude of headroom against spurious failures while still catching
-  any algebraic mistake (a wrong weight, a missing cross term, an off-by-one count), which
-  shows up as an O(1) relative error.
+* general data: ``|m2 - m2_ref| <= 1e-9 * m2_ref + 1e-15 * n * Q`` and
+  ``|mean - mean_ref| <= 1e-9 * sqrt(Q)``. Chan's update only subtracts means, so its error
+  on m2 is relative to m2 itself (~1e-11 here), not to Q; the floor 1e-15 * n * Q (a few
+  eps of the squared norms) only matters where m2_ref is ~0 (a single point). A tolerance
+  relative to n * Q alone would pass an m2 of 0 on data whose M dwarfs V (offset 100,
+  scale 1e-3: V / Q ~ 1e-10), so none is used. The same goes for V_W, V_B and
+  co-moments. Any algebraic mistake (a wrong weight, a missing cross term, an off-by-one
+  count) shows up as an O(1) relative error.
 * adversarial data (M/V ~ 1e8): ``|V - V_ref| <= 1e-9 * V_ref``, relative to V itself.
   Chan's update only ever subtracts means (``delta = mb - ma``), never squared norms: the
   rounding of a mean is ~eps * 1e4 = 2e-12 in absolute terms, against deltas of O(0.1..1)
@@ -142,7 +145,7 @@ def test_chan_merge_equals_two_pass(seed, n, d, parts, order, offset, scale):
     q = ref_q(x)
     assert n_m == n_r  # float64 count, exact for these sizes
     assert np.all(np.abs(mean_m - mean_r) <= REL * np.sqrt(q))
-    assert abs(m2_m - m2_r) <= REL * n * q
+    assert abs(m2_m - m2_r) <= REL * m2_r + 1e-15 * n * q
     assert m2_m >= 0.0
 
 
@@ -165,7 +168,8 @@ def test_chan_merge_cross_term_and_empty_sides(seed, na, nb, d):
     assert cross == pytest.approx(expected_cross, rel=1e-12, abs=0.0)
     assert m2 == a[2] + b[2] + cross
     x = np.concatenate([xa, xb])
-    assert abs(m2 - ref_moments(x)[2]) <= REL * (na + nb) * ref_q(x)
+    m2_r = ref_moments(x)[2]
+    assert abs(m2 - m2_r) <= REL * m2_r + 1e-15 * (na + nb) * ref_q(x)
 
 
 @FAST
@@ -208,11 +212,11 @@ def test_q_m_v_matches_points(seed, n, d, offset, scale):
     n_r, mean_r, m2_r = ref_moments(x)
     Q, M, V = q_m_v(n_r, mean_r, m2_r)
     q = ref_q(x)
-    assert Q == M + V  # the identity as computed
-    assert abs(Q - q) <= REL * q  # and it is the mean squared norm of the points
+    assert abs(Q - q) <= REL * q  # the mean squared norm of the points, computed directly
     mu = x.mean(axis=0)
-    assert abs(M - float(np.sum(mu * mu))) <= REL * q
-    assert abs(V - ref_v(x)) <= REL * q
+    assert abs(M - float(np.sum(mu * mu))) <= REL * M + 1e-15 * q
+    v_r = ref_v(x)
+    assert abs(V - v_r) <= REL * v_r + 1e-15 * q
     assert V >= 0.0
 
 
@@ -267,13 +271,10 @@ def test_decomposition_equals_two_pass(seed, n, d, k, offset, scale):
 
     assert out["n"] == n and out["num_types"] == len(types)
     for key, ref in (("Q", Q), ("M", M), ("V", V), ("V_W", V_W), ("V_B", V_B)):
-        assert abs(out[key] - ref) <= REL * Q, key
+        # each against its own point-by-point reference, relative to itself (see the
+        # module docstring): V_B is never taken as V - V_W on either side
+        assert abs(out[key] - ref) <= REL * ref + 1e-15 * Q, key
         assert out[key] >= 0.0
-    # the identities, on the returned numbers
-    assert out["Q"] == pytest.approx(out["M"] + out["V_W"] + out["V_B"], rel=1e-14)
-    assert out["V"] == pytest.approx(out["V_W"] + out["V_B"], rel=1e-14)
-    # and on the reference numbers (sanity of the reference itself)
-    assert abs(Q - (M + V_W + V_B)) <= REL * Q
 
 
 def test_decomposition_empty():
@@ -318,8 +319,9 @@ def test_layer_moments_merged_equals_cov(seed, n, L, d, parts, order, offset, sc
         xl = x[layer]
         q = ref_q(xl)
         cov = np.atleast_2d(np.cov(xl.T, bias=True)) * n
-        assert np.all(np.abs(out.comoment[layer] - cov) <= REL * n * q)
-        assert abs(out.m2[layer] - ref_moments(xl)[2]) <= REL * n * q
+        assert np.all(np.abs(out.comoment[layer] - cov) <= REL * np.abs(cov).max() + 1e-15 * n * q)
+        m2_r = ref_moments(xl)[2]
+        assert abs(out.m2[layer] - m2_r) <= REL * m2_r + 1e-15 * n * q
         assert np.all(np.abs(out.mean[layer] - xl.mean(axis=0)) <= REL * np.sqrt(q))
         np.testing.assert_allclose(out.unit_sum[layer], u[layer].sum(axis=0), rtol=0, atol=1e-9 * n)
         np.testing.assert_allclose(out.unit_sq_sum[layer], (u[layer] ** 2).sum(axis=0),

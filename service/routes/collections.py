@@ -10,15 +10,15 @@ from embgeom.errors import NotFound
 from embgeom.store.conf import CollectionSettings
 from service.deps import CollectionDep, LayerTargetDep, PairDep, RuntimeDep
 from service.schemas import (
-    CollectionInfo, CollectionOut, CollectionSettingsIn, Decomposition, Deleted, ErrorBody,
+    MAX_INT, CollectionInfo, CollectionOut, CollectionSettingsIn, Decomposition, Deleted, ErrorBody,
     LayersOut, TokenDetail, TokenPage,
 )
 
 router = APIRouter(prefix="/v1/collections", tags=["collections"],
                    responses={404: {"model": ErrorBody}, 422: {"model": ErrorBody}})
 
-MinCount = Annotated[int, Query(ge=1, description="Keep token types with n_t >= min_count")]
-MaxCount = Annotated[Optional[int], Query(ge=1, description="Keep token types with n_t <= max_count")]
+MinCount = Annotated[int, Query(ge=1, le=MAX_INT, description="Keep token types with n_t >= min_count")]
+MaxCount = Annotated[Optional[int], Query(ge=1, le=MAX_INT, description="Keep token types with n_t <= max_count")]
 
 
 @router.get("", response_model=list[CollectionOut])

@@ -3,15 +3,15 @@ from __future__ import annotations
 from typing import Annotated, Optional
 
 from fastapi import APIRouter, Query
-from starlette.concurrency import run_in_threadpool
 
 from embgeom import probes, reports
 from embgeom.store.reader import run_sync
-from embgeom.errors import InvalidInput, NotFound
+from embgeom.errors import NotFound
 from service.deps import LayerDep, ModelDep, PairDep, RuntimeDep
+from service.limits import check_sync_texts
 from service.schemas import (
-    ErrorBody, Isotropy, ModelOutliers, Outliers, ProbeRequest, ProbeResult, SampleIsotropy,
-    SampleRequest,
+    MAX_INT, ErrorBody, FiniteQuery, Isotropy, ModelOutliers, Outliers, ProbeRequest, ProbeResult,
+    SampleIsotropy, SampleRequest,
 )
 
 router = APIRouter(prefix="/v1", tags=["diagnostics"],
@@ -19,7 +19,10 @@ router = APIRouter(prefix="/v1", tags=["diagnostics"],
 
 LAYER_PATH = "/collections/{collection}/models/{model}/layers/{layer}"
 Transform = Annotated[Optional[str], Query(description="none | standardize | abtt:D")]
-Threshold = Annotated[float, Query(gt=0, description="Outlier if variance >= threshold x mean variance")]
+Threshold = Annotated[float, FiniteQuery(gt=0, description="Outlier if variance >= threshold x mean variance")]
+# A synchronous model run: 413 beyond the text limits, 429 beyond max_sync_runs at once.
+SYNC_RESPONSES = {413: {"model": ErrorBody}, 429: {"model": ErrorBody},
+                  503: {"model": ErrorBody, "description": "store_unavailable, or model_unavailable"}}
 
 
 # Eigendecompositions and scans are CPU work: these reads run on the thread pool with the
@@ -28,7 +31,7 @@ Threshold = Annotated[float, Query(gt=0, description="Outlier if variance >= thr
 @router.get(LAYER_PATH + "/isotropy", response_model=Isotropy)
 def isotropy(pair: PairDep, layer: LayerDep, rt: RuntimeDep, transform: Transform = None,
              spectrum: bool = False, partition: bool = True,
-             min_count: Annotated[int, Query(ge=1, description="Token types used for I(W)")] = 1) -> dict:
+             min_count: Annotated[int, Query(ge=1, le=MAX_INT, description="Token types used for I(W)")] = 1) -> dict:
     """IsoScore, mean cosine, effective rank, participation ratio, top eigenvalue ratio and
     partition isotropy, exact over every embedding ingested."""
     return run_sync(rt.redis, reports.isotropy(rt.reader, pair, layer, transform, spectrum,
@@ -48,18 +51,12 @@ def model_outliers(pair: PairDep, model: ModelDep, rt: RuntimeDep, threshold: Th
     return run_sync(rt.redis, reports.model_outliers(rt.reader, pair, threshold, transform))
 
 
-def _check_sync_size(rt, texts) -> None:
-    if len(texts) > rt.settings.max_sync_texts:
-        raise InvalidInput(f"{len(texts)} texts exceed the limit of {rt.settings.max_sync_texts} "
-                           "for a synchronous request", type="payload_too_large",
-                           limit=rt.settings.max_sync_texts)
-
-
-@router.post(LAYER_PATH + "/isotropy/sample", response_model=SampleIsotropy)
+@router.post(LAYER_PATH + "/isotropy/sample", response_model=SampleIsotropy, responses=SYNC_RESPONSES)
 async def isotropy_sample(pair: PairDep, layer: LayerDep, body: SampleRequest, rt: RuntimeDep) -> dict:
     """IsoScore and IsoScore* (Rudman & Eickhoff 2024) of a mini-batch, shrunk toward the
-    collection's covariance or the identity. Runs the model in the API process."""
-    _check_sync_size(rt, body.texts)
+    collection's covariance or the identity. Runs the model in the API process, on the
+    thread pool, at most ``max_sync_runs`` at once (429 beyond)."""
+    check_sync_texts(rt.settings, body.texts)
 
     def run():
         reference = None
@@ -71,17 +68,20 @@ async def isotropy_sample(pair: PairDep, layer: LayerDep, body: SampleRequest, r
         return probes.sample_isotropy(loaded, body.texts, layer, body.zeta, reference,
                                       body.include_special, rt.settings.token_budget)
 
-    return await run_in_threadpool(run)
+    return await rt.sync_runs.run(run)
 
 
-@router.post("/probes/outlier-dimension", response_model=ProbeResult)
+@router.post("/probes/outlier-dimension", response_model=ProbeResult, responses=SYNC_RESPONSES)
 async def outlier_probe(body: ProbeRequest, rt: RuntimeDep) -> dict:
-    """The 1-D outlier-dimension probe (Rudman et al. 2023) on labelled texts."""
-    _check_sync_size(rt, body.texts)
+    """The 1-D outlier-dimension probe (Rudman et al. 2023) on labelled texts. Runs the
+    model in the API process, on the thread pool, at most ``max_sync_runs`` at once (429
+    beyond)."""
+    check_sync_texts(rt.settings, body.texts)
     rt.registry.source(body.model)  # unknown alias -> 404 unknown_model
     info = rt.registry.info(body.model)
     if body.layer > info.num_layers:
-        raise NotFound("layer_not_found", f"layer {body.layer} is out of range 0..{info.num_layers}")
+        raise NotFound("layer_not_found", f"layer {body.layer} is out of range 0..{info.num_layers}",
+                       layer=body.layer, num_layers=info.num_layers)
 
     def run():
         loaded = rt.sync_pool.get(body.model)
@@ -90,4 +90,4 @@ async def outlier_probe(body: ProbeRequest, rt: RuntimeDep) -> dict:
             body.seed, body.top_k, body.include_special, rt.settings.token_budget)
         return {"model": body.model, **result}
 
-    return await run_in_threadpool(run)
+    return await rt.sync_runs.run(run)

@@ -1,0 +1,259 @@
+"""Bounded requests: the body limit enforced while the body is read (413 before any
+parsing), byte and count caps on synchronous requests, synchronous model runs off the event
+loop and at most ``max_sync_runs`` at once (429 beyond, never queued), and no synchronous
+Redis call on the event loop, on any route.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from contextlib import contextmanager
+
+import pytest
+from fastapi.testclient import TestClient
+
+from embgeom.settings import Settings
+from service.app import create_app
+from service.limits import BodyLimit, body_limit
+from tests.conftest import test_settings as settings_for
+from tests.test_auth import route_requests
+
+LIMIT = 4096
+SAMPLE = "/v1/collections/c/models/minilm/layers/2/isotropy/sample"
+PROBE = "/v1/probes/outlier-dimension"
+
+
+@pytest.fixture
+def client(redis_server):
+    settings = settings_for(redis_server.url, max_body_bytes=LIMIT, max_sync_texts=10,
+                            max_sync_bytes=100, max_sync_runs=1)
+    with TestClient(create_app(settings), raise_server_exceptions=False) as c:
+        yield c
+
+
+def is_error(r, status: int, type_: str) -> bool:
+    return r.status_code == status and r.json()["type"] == type_ and isinstance(r.json()["detail"], dict)
+
+
+# ---------------------------------------------------------------------------- body limit
+
+def test_body_over_the_limit_is_413_before_parsing(client):
+    ok = json.dumps({"texts": ["x" * 50]}).encode()
+    too_big_valid = json.dumps({"texts": ["x" * LIMIT]}).encode()
+    too_big_junk = b"\xff{not json" * (LIMIT // 10 + 1)  # would be 400/422 if it were parsed
+    for url in ("/v1/jobs", SAMPLE, PROBE, "/v1/collections/c"):
+        method = "PUT" if url == "/v1/collections/c" else "POST"
+        for body in (too_big_valid, too_big_junk):
+            r = client.request(method, url, content=body, headers={"content-type": "application/json"})
+            assert is_error(r, 413, "payload_too_large"), (url, r.status_code, r.text[:200])
+            assert r.json()["detail"]["limit"] == LIMIT
+    r = client.post("/v1/jobs", content=ok, headers={"content-type": "application/json"})
+    assert r.status_code == 202, r.text
+
+
+def test_streamed_body_is_counted_while_it_arrives(client):
+    # No Content-Length (chunked): the bytes are counted as they come.
+    def chunks(total):
+        sent = 0
+        while sent < total:
+            yield b" " * 512
+            sent += 512
+
+    r = client.post("/v1/jobs", content=chunks(LIMIT * 4), headers={"content-type": "application/json"})
+    assert is_error(r, 413, "payload_too_large"), r.text
+
+    def small():
+        yield b'{"texts": '
+        yield b'["a streamed text"]}'
+
+    r = client.post("/v1/jobs", content=small(), headers={"content-type": "application/json"})
+    assert r.status_code == 202, r.text
+
+
+def test_body_limit_reads_no_more_than_the_limit_and_never_calls_the_app():
+    # At the ASGI level: an endless chunked body. The middleware stops reading after the
+    # chunk that crosses the limit, answers 413, and the app never runs.
+    received = []
+    called = []
+
+    async def app(scope, receive, send):
+        called.append(scope)
+
+    async def receive():
+        received.append(1)
+        return {"type": "http.request", "body": b"x" * 1000, "more_body": True}
+
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/jobs",
+             "headers": [(b"transfer-encoding", b"chunked")]}
+    asyncio.run(BodyLimit(app, 4500)(scope, receive, send))
+    assert not called
+    assert len(received) == 5  # 5,000 bytes: the first chunk over 4,500
+    assert sent[0]["status"] == 413
+    assert json.loads(sent[1]["body"])["type"] == "payload_too_large"
+    # By Content-Length: nothing is read at all.
+    received.clear()
+    scope["headers"] = [(b"content-length", b"4501")]
+    asyncio.run(BodyLimit(app, 4500)(scope, receive, send))
+    assert not received and not called
+
+
+def test_default_body_limit_holds_a_maximal_job():
+    s = Settings(max_job_bytes=1_000_000)
+    texts = ["\"quoted\"\n" * 10] * (1_000_000 // 100)
+    body = json.dumps({"collection": "c", "model": "minilm", "texts": texts}, ensure_ascii=False)
+    assert sum(len(t.encode()) for t in texts) <= s.max_job_bytes
+    assert len(body.encode()) <= body_limit(s)
+    assert body_limit(Settings(max_job_bytes=1_000_000, max_body_bytes=5000)) == 5000
+
+
+# -------------------------------------------------------------- synchronous requests
+
+def test_synchronous_requests_are_capped_in_texts_and_bytes(client):
+    # max_sync_texts=10, max_sync_bytes=100 (UTF-8: 51 two-byte characters are 102 bytes).
+    cases = [
+        (SAMPLE, {"texts": ["a"] * 11, "reference": "identity"}),
+        (SAMPLE, {"texts": ["x" * 60, "y" * 41], "reference": "identity"}),
+        (SAMPLE, {"texts": ["\u00e9" * 51], "reference": "identity"}),
+        (PROBE, {"layer": 1, "texts": ["a"] * 11, "labels": [0, 1] * 5 + [0]}),
+        (PROBE, {"layer": 1, "texts": ["x" * 30] * 4, "labels": [0, 0, 1, 1]}),
+    ]
+    for url, body in cases:
+        r = client.post(url, json=body)
+        assert is_error(r, 413, "payload_too_large"), (url, r.status_code, r.text[:200])
+
+
+class _Stub:
+    """Stands for the model: blocks until released, so runs can be held in flight."""
+
+    def __init__(self):
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def get(self, name):
+        self.entered.set()
+        assert self.release.wait(30)
+        return None
+
+
+@contextmanager
+def held_run(client, monkeypatch):
+    """One isotropy sample in flight (its model stubbed to block), for the duration."""
+    stub = _Stub()
+    rt = client.app.state.runtime
+    monkeypatch.setattr(rt, "_sync_pool", stub)
+    from service.routes import diagnostics
+
+    monkeypatch.setattr(diagnostics.probes, "sample_isotropy",
+                        lambda *a, **k: {"layer": 2, "n_points": 1, "zeta": 0.2, "reference": "identity",
+                                         "isoscore": 0.5, "isoscore_star": 0.5})
+    result = {}
+    body = {"texts": ["held"], "reference": "identity"}
+    thread = threading.Thread(target=lambda: result.setdefault("r", client.post(SAMPLE, json=body)))
+    thread.start()
+    assert stub.entered.wait(30)
+    try:
+        yield result
+    finally:
+        stub.release.set()
+        thread.join(30)
+
+
+def test_model_runs_beyond_the_limit_are_429_at_once(client, monkeypatch):
+    with held_run(client, monkeypatch) as first:
+        for url, body in ((SAMPLE, {"texts": ["second"], "reference": "identity"}),
+                          (PROBE, {"layer": 1, "texts": ["a", "b", "c", "d"], "labels": [0, 0, 1, 1]})):
+            start = time.monotonic()
+            r = client.post(url, json=body)
+            assert is_error(r, 429, "overloaded"), (url, r.status_code, r.text[:200])
+            assert r.headers["retry-after"] == "1"
+            assert time.monotonic() - start < 5, "refused at once, not queued"
+        # The run is off the event loop: other requests are answered meanwhile.
+        start = time.monotonic()
+        assert client.get("/healthz").status_code == 200
+        assert client.get("/v1/collections").status_code == 200
+        assert time.monotonic() - start < 5
+    assert first["r"].status_code == 200, first["r"].text
+    # The slot is free again.
+    r = client.post(SAMPLE, json={"texts": ["third"], "reference": "identity"})
+    assert r.status_code != 429, r.text
+
+
+def test_a_failed_run_frees_its_slot(client, monkeypatch):
+    from service.routes import diagnostics
+
+    def fail(*a, **k):
+        raise RuntimeError("model exploded")
+
+    class Pool:
+        def get(self, name):
+            return None
+
+    monkeypatch.setattr(client.app.state.runtime, "_sync_pool", Pool())
+    monkeypatch.setattr(diagnostics.probes, "sample_isotropy", fail)
+    for _ in range(3):  # max_sync_runs=1: a leaked slot would make the second a 429
+        r = client.post(SAMPLE, json={"texts": ["x"], "reference": "identity"})
+        assert is_error(r, 500, "internal_error"), r.text
+
+
+# ------------------------------------------------------- no sync Redis on the loop
+
+@contextmanager
+def forbid_sync_redis_on_loop(rt):
+    """Record every command of the synchronous Redis client issued from a thread that is
+    running an event loop (a blocking call inside an ``async def`` route or dependency)."""
+    pool = rt.redis.connection_pool
+    real = pool.get_connection
+    violations = []
+
+    def guarded(*args, **kwargs):
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            pass  # a thread-pool thread: fine
+        else:
+            import traceback
+
+            violations.append("".join(traceback.format_stack(limit=12)))
+        return real(*args, **kwargs)
+
+    pool.get_connection = guarded
+    try:
+        yield violations
+    finally:
+        pool.get_connection = real
+
+
+def test_guard_sees_a_sync_call_on_the_loop(client):
+    rt = client.app.state.runtime
+
+    async def blocking():
+        rt.redis.ping()
+
+    with forbid_sync_redis_on_loop(rt) as violations:
+        asyncio.run(blocking())
+        threading.Thread(target=rt.redis.ping).start()
+        time.sleep(0.2)
+    assert len(violations) == 1
+
+
+def test_no_route_calls_sync_redis_on_the_event_loop(client):
+    rt = client.app.state.runtime
+    # Some data for the reads to find.
+    client.put("/v1/collections/c", json={})
+    client.post("/v1/jobs", json={"collection": "c", "texts": ["a b c"]})
+    with forbid_sync_redis_on_loop(rt) as violations:
+        for method, url, kwargs in route_requests(client.app):
+            client.request(method, url.replace("/authc/", "/c/"), **kwargs)
+        for url in ("/healthz", "/readyz", "/metrics", "/v1/jobs?ids=a,b",
+                    "/v1/collections/c/models/minilm/layers?min_count=2",
+                    "/v1/collections/c/models/minilm/layers/1/tokens?limit=5"):
+            client.get(url)
+    assert not violations, violations[0]
