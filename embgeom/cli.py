@@ -1,4 +1,4 @@
-"""The ``embgeom`` command: ``serve``, ``worker``, ``ingest`` and ``table``."""
+"""The ``embgeom`` command: ``serve``, ``worker``, ``ingest``, ``table`` and ``report``."""
 
 from __future__ import annotations
 
@@ -78,6 +78,12 @@ def _table(args) -> int:
     return table_command(args)
 
 
+def _report(args) -> int:
+    from embgeom.client import report_command
+
+    return report_command(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="embgeom", description=__doc__)
     parser.add_argument("--log-level", default=os.environ.get("EMBGEOM_LOG_LEVEL", "info"))
@@ -103,8 +109,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds to finish the current job after SIGTERM before handing it back")
     worker.set_defaults(func=_worker)
 
-    ingest = sub.add_parser("ingest", help="send a text file (one text per line) in jobs and wait")
-    ingest.add_argument("file", help="text file, one text per line ('-' for stdin)")
+    ingest = sub.add_parser("ingest", help="send a file's texts in jobs and wait: one text per line, "
+                                           "or JSONL, CSV, Parquet records")
+    ingest.add_argument("file", help="text file, one text per line ('-' for stdin); .jsonl/.ndjson, "
+                                     ".csv, .parquet/.pq files are read as records")
+    ingest.add_argument("--field", default="text",
+                        help="the record field holding the text (JSONL, CSV, Parquet; default: text)")
+    ingest.add_argument("--input-format", choices=("auto", "lines", "jsonl", "csv", "parquet"),
+                        default="auto", help="default: by the file's extension (lines otherwise)")
     ingest.add_argument("--model", default="minilm")
     ingest.add_argument("--collection", default="default")
     ingest.add_argument("--url", default=os.environ.get("EMBGEOM_URL", "http://127.0.0.1:8080"))
@@ -128,6 +140,20 @@ def build_parser() -> argparse.ArgumentParser:
     table.add_argument("--threshold", type=float, default=5.0, help="outlier threshold (isotropy)")
     table.add_argument("--api-key", default=os.environ.get("EMBGEOM_API_KEY"))
     table.set_defaults(func=_table)
+
+    report = sub.add_parser("report", help="write the report page and every figure of a collection "
+                                           "and model into a folder")
+    report.add_argument("--url", default=os.environ.get("EMBGEOM_URL", "http://127.0.0.1:8080"))
+    report.add_argument("--collection", default="default")
+    report.add_argument("--model", default="minilm")
+    report.add_argument("--out", required=True, help="folder to write report.html and <figure>.<format> into")
+    report.add_argument("--format", choices=("png", "svg"), default="png", help="figure format")
+    report.add_argument("--layer", type=int, default=None,
+                        help="layer of vm_scatter, frequency and spectrum (default: the middle kept layer)")
+    report.add_argument("--min-count", type=int, default=1, help="keep token types with n >= this")
+    report.add_argument("--max-count", type=int, default=None, help="keep token types with n <= this")
+    report.add_argument("--api-key", default=os.environ.get("EMBGEOM_API_KEY"))
+    report.set_defaults(func=_report)
     return parser
 
 

@@ -1,11 +1,13 @@
-"""A small HTTP client for the embgeom service, and the ``ingest`` and ``table`` commands.
+"""A small HTTP client for the embgeom service, and the ``ingest``, ``table`` and
+``report`` commands.
 
 :class:`EmbgeomClient` wraps the v1 API of DESIGN.md section 2: every error body
 ``{"type", "message", "detail"}`` is raised as :class:`ApiError`, and a 429 (the queue
 is full) is retried after the server's ``Retry-After``, or after an exponential backoff
 when it gives none.
 
-``embgeom ingest FILE`` cuts a text file (one text per line) into jobs of at most
+``embgeom ingest FILE`` reads a text file (one text per line), or a JSONL, CSV or
+Parquet file (the ``--field`` of each record), and cuts its texts into jobs of at most
 ``--texts-per-job`` texts and :data:`MAX_JOB_BYTES` of UTF-8, and submits each under
 an ``Idempotency-Key`` derived from what it sends (collection, model, include_special,
 the file's SHA-256, the chunk's index and content): running the same command again
@@ -33,6 +35,7 @@ import httpx
 __all__ = [
     "ApiError", "EmbgeomClient", "MAX_JOB_BYTES", "TABLE_COLUMNS", "ISOTROPY_COLUMNS", "isotropy_rows",
     "read_texts", "chunk_texts", "idempotency_key", "ingest_file", "format_table", "table_command",
+    "INPUT_FORMATS", "InputError", "input_format", "read_input_texts", "report_command",
 ]
 
 # The smallest per-job byte limit a service may be configured with (Settings.max_job_bytes
@@ -131,7 +134,8 @@ class EmbgeomClient:
         self.close()
 
     # ---------------------------------------------------------------- transport
-    def _request(self, method: str, path: str, **kwargs) -> dict:
+    def _send(self, method: str, path: str, **kwargs) -> httpx.Response:
+        """The response of a request (429 retried); an error answer raises :class:`ApiError`."""
         for attempt in range(self.max_retries + 1):
             response = self._http.request(method, path, **kwargs)
             if response.status_code != 429 or attempt == self.max_retries:
@@ -142,7 +146,10 @@ class EmbgeomClient:
             self._sleep(min(delay, self.max_backoff))
         if response.is_error:
             raise ApiError.from_response(response)
-        return response.json()
+        return response
+
+    def _request(self, method: str, path: str, **kwargs) -> dict:
+        return self._send(method, path, **kwargs).json()
 
     # --------------------------------------------------------------------- jobs
     def submit(self, texts: Sequence[str], collection: str = "default", model: str = "minilm",
@@ -236,6 +243,45 @@ class EmbgeomClient:
         return self._request(
             "GET", f"/v1/collections/{collection}/models/{model}/layers/{layer}/tokens/{token_id}")
 
+    # ---------------------------------------------------------- figures, report
+    def figure(self, collection: str, model: str, name: str, fmt: str = "png",
+               layer: Optional[int] = None, min_count: int = 1, max_count: Optional[int] = None,
+               models: Optional[Sequence[str]] = None) -> bytes:
+        """One figure's PNG or SVG bytes (``layer`` for vm_scatter, frequency, spectrum;
+        ``models`` to overlay in layer_summary)."""
+        params: dict = {"format": fmt, **self._counts(min_count, max_count)}
+        if layer is not None:
+            params["layer"] = layer
+        if models:
+            params["models"] = ",".join(models)
+        return self._send("GET", f"/v1/collections/{collection}/models/{model}/figures/{name}",
+                          params=params).content
+
+    def report(self, collection: str, model: str, min_count: int = 1, max_count: Optional[int] = None,
+               layer: Optional[int] = None, fmt: str = "png") -> tuple[str, Optional[int]]:
+        """The report page (HTML) and the layer its per-layer figures show."""
+        params: dict = {"format": fmt, **self._counts(min_count, max_count)}
+        if layer is not None:
+            params["layer"] = layer
+        response = self._send("GET", f"/v1/collections/{collection}/models/{model}/report", params=params)
+        shown = response.headers.get("x-embgeom-layer")
+        return response.text, (int(shown) if shown is not None else None)
+
+    def export(self, collection: str, model: str, layer: int, out, fmt: str = "parquet",
+               min_count: int = 1, max_count: Optional[int] = None, means: bool = False) -> int:
+        """Stream a layer's per-token export into the binary file ``out``; returns bytes written."""
+        params = {"format": fmt, "means": str(bool(means)).lower(), **self._counts(min_count, max_count)}
+        path = f"/v1/collections/{collection}/models/{model}/layers/{layer}/export"
+        written = 0
+        with self._http.stream("GET", path, params=params) as response:
+            if response.is_error:
+                response.read()
+                raise ApiError.from_response(response)
+            for piece in response.iter_bytes():
+                out.write(piece)
+                written += len(piece)
+        return written
+
 
 # ----------------------------------------------------------------------- ingest
 def read_texts(data: str) -> list[str]:
@@ -251,6 +297,95 @@ def read_texts(data: str) -> list[str]:
         if line.strip():
             texts.append(line)
     return texts
+
+
+INPUT_FORMATS = ("lines", "jsonl", "csv", "parquet")
+_EXTENSIONS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".csv": "csv", ".parquet": "parquet",
+               ".pq": "parquet"}
+
+
+class InputError(ValueError):
+    """A file that cannot be read as the format it was taken for."""
+
+
+def input_format(path: str, fmt: str = "auto") -> str:
+    """The format of an input file: ``fmt`` unless "auto", else by extension (``.jsonl``,
+    ``.ndjson``, ``.csv``, ``.parquet``, ``.pq``); anything else, and stdin, is one text
+    per line."""
+    if fmt != "auto":
+        if fmt not in INPUT_FORMATS:
+            raise ValueError(f"unknown input format {fmt!r}: auto, {', '.join(INPUT_FORMATS)}")
+        return fmt
+    return "lines" if path == "-" else _EXTENSIONS.get(Path(path).suffix.lower(), "lines")
+
+
+def _field_text(value, field: str, where: str) -> Optional[str]:
+    """The text of one record's field: None (skipped) when null or blank."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise InputError(f"{where}: field {field!r} is a {type(value).__name__}, not a string")
+    return value if value.strip() else None
+
+
+def read_input_texts(data: bytes, fmt: str, field: str = "text") -> list[str]:
+    """The texts of a file's bytes, in file order.
+
+    ``lines``: one text per line (:func:`read_texts`). ``jsonl``: one JSON object per
+    line, its ``field``. ``csv``: a header row naming ``field``, one record per row
+    (quoted fields may hold newlines). ``parquet``: the string column ``field``. Blank
+    lines, and records whose field is null, empty or whitespace, are skipped; a record
+    without the field, a value that is not a string, or a line that is not JSON is an
+    :class:`InputError` naming where. Text files are UTF-8 (a BOM is ignored).
+    """
+    if fmt == "lines":
+        return read_texts(data.decode("utf-8-sig"))
+    texts: list[str] = []
+    if fmt == "jsonl":
+        for number, line in enumerate(data.decode("utf-8-sig").split("\n"), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError as exc:
+                raise InputError(f"line {number} is not JSON ({exc})") from None
+            if not isinstance(record, dict):
+                raise InputError(f"line {number} is not a JSON object")
+            if field not in record:
+                raise InputError(f"line {number} has no field {field!r}")
+            text = _field_text(record[field], field, f"line {number}")
+            if text is not None:
+                texts.append(text)
+        return texts
+    if fmt == "csv":
+        reader = csv.DictReader(io.StringIO(data.decode("utf-8-sig"), newline=""))
+        if reader.fieldnames is None:
+            return []
+        if field not in reader.fieldnames:
+            raise InputError(f"no column {field!r}; columns: {', '.join(reader.fieldnames)}")
+        for record in reader:
+            text = _field_text(record[field], field, f"record {reader.line_num}")
+            if text is not None:
+                texts.append(text)
+        return texts
+    if fmt == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        try:
+            source = pq.ParquetFile(io.BytesIO(data))
+        except (pa.ArrowException, OSError) as exc:
+            raise InputError(f"not a Parquet file ({exc})") from None
+        schema = source.schema_arrow
+        if field not in schema.names:
+            raise InputError(f"no column {field!r}; columns: {', '.join(schema.names)}")
+        kind = schema.field(field).type
+        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+            raise InputError(f"column {field!r} is {kind}, not strings")
+        for batch in source.iter_batches(columns=[field]):
+            texts.extend(t for t in batch.column(0).to_pylist() if t is not None and t.strip())
+        return texts
+    raise ValueError(f"unknown input format {fmt!r}")
 
 
 def chunk_texts(texts: Sequence[str], max_texts: int, max_bytes: int = MAX_JOB_BYTES) -> list[list[str]]:
@@ -315,19 +450,23 @@ def ingest_file(args) -> int:
     from tqdm import tqdm
 
     _quiet_http_logs()
+    fmt = input_format(args.file, getattr(args, "input_format", "auto"))
+    field = getattr(args, "field", "text")
     try:
         data = _read_input(args.file)
-        text = data.decode("utf-8-sig")
+        texts = read_input_texts(data, fmt, field)
     except OSError as exc:
         print(f"embgeom ingest: cannot read {args.file}: {exc}", file=sys.stderr)
         return 2
     except UnicodeDecodeError as exc:
         print(f"embgeom ingest: {args.file} is not UTF-8 ({exc})", file=sys.stderr)
         return 2
+    except InputError as exc:
+        print(f"embgeom ingest: {args.file}: {exc}", file=sys.stderr)
+        return 2
     if args.texts_per_job < 1:
         print("embgeom ingest: --texts-per-job must be at least 1", file=sys.stderr)
         return 2
-    texts = read_texts(text)
     if not texts:
         print(f"embgeom ingest: no texts in {args.file}", file=sys.stderr)
         return 0
@@ -397,6 +536,52 @@ def ingest_file(args) -> int:
               "instead of counting it again; ingest into another --collection", file=sys.stderr)
         return 1
     return 1 if failed else 0
+
+
+# ----------------------------------------------------------------------- report
+def report_command(args) -> int:
+    """``embgeom report``: write the report page and every figure into ``--out``.
+
+    The page is ``report.html``; each figure is ``<name>.<format>``. The per-layer
+    figures show ``--layer``, by default the layer the service's page shows (the middle
+    kept one). Returns 0, 1 when the service refuses, 2 when ``--out`` cannot be written.
+    """
+    from embgeom.figures import FIGURES
+    from embgeom.renders import LAYER_FIGURES
+
+    _quiet_http_logs()
+    out = Path(args.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        print(f"embgeom report: cannot create {out}: {exc}", file=sys.stderr)
+        return 2
+    written = []
+    try:
+        with EmbgeomClient(args.url, api_key=args.api_key, timeout=300) as client:
+            page, layer = client.report(args.collection, args.model, args.min_count, args.max_count,
+                                        args.layer, args.format)
+            path = out / "report.html"
+            path.write_text(page, encoding="utf-8")
+            written.append(path)
+            for name in FIGURES:
+                if name in LAYER_FIGURES and layer is None:
+                    continue  # nothing ingested yet: no layer to show
+                content = client.figure(args.collection, args.model, name, args.format,
+                                        layer if name in LAYER_FIGURES else None,
+                                        args.min_count, args.max_count)
+                path = out / f"{name}.{args.format}"
+                path.write_bytes(content)
+                written.append(path)
+    except (ApiError, httpx.HTTPError) as exc:
+        print(f"embgeom report: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"embgeom report: cannot write into {out}: {exc}", file=sys.stderr)
+        return 2
+    for path in written:
+        print(path)
+    return 0
 
 
 # ------------------------------------------------------------------------ table

@@ -222,7 +222,8 @@ def _link(label: Any, href: Any) -> str:
 def build_report(title: str, summary: Mapping[str, Any], layer_rows: Sequence[Mapping],
                  isotropy_rows: Sequence[Mapping],
                  figures: Union[Mapping[str, Union[bytes, str, None]], Iterable[tuple[str, Any]]],
-                 links: Iterable[tuple[str, str]]) -> str:
+                 links: Iterable[tuple[str, str]],
+                 isotropy_columns: Sequence[tuple[str, tuple[str, ...], str]] = ISOTROPY_COLUMNS) -> str:
     """One self-contained HTML5 page of a (collection, model) pair.
 
     Parameters
@@ -239,6 +240,8 @@ def build_report(title: str, summary: Mapping[str, Any], layer_rows: Sequence[Ma
         heading has ``id=name`` and whose ``<img>`` has ``data-figure=name``.
     links : (label, href) pairs to the JSON endpoints; only relative and http(s) hrefs
         become links.
+    isotropy_columns : the isotropy table's columns, :data:`ISOTROPY_COLUMNS` (or a
+        selection of them) by default.
 
     Returns
     -------
@@ -275,7 +278,7 @@ def build_report(title: str, summary: Mapping[str, Any], layer_rows: Sequence[Ma
         "passing the count filter (Yamagiwa &amp; Shimodaira).</p>",
         _table("layer-table", "per-layer statistics", LAYER_COLUMNS, layer_rows),
         '<h2 id="isotropy-table-section">Isotropy</h2>',
-        _table("isotropy-table", "isotropy per layer", ISOTROPY_COLUMNS, isotropy_rows),
+        _table("isotropy-table", "isotropy per layer", isotropy_columns, isotropy_rows),
         '<h2 id="figures-section">Figures</h2>',
         *(_figure(str(name), content) for name, content in fig_items),
         '<h2 id="links-section">JSON endpoints</h2>',

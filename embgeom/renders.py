@@ -1,0 +1,421 @@
+"""Figures and the report page of a (collection, model) pair, each from one read.
+
+    figure_params(name, fmt, layer, min_count, max_count, models, model) -> FigureParams
+    render_figure(cache, read, reader, collection, params)               -> Rendered
+    render_report(cache, read, reader, pair, count_filter, layer, ...)   -> Rendered
+
+A figure is drawn from one *snapshot*: one plan (:mod:`embgeom.store.reader`) that reads
+the pair's state, then everything the figure needs (the per-layer rows, the per-token
+scalars, the covariances, the outlier dimensions) with the same functions the JSON
+endpoints use (:mod:`embgeom.reports`), so a figure shows exactly the numbers those
+endpoints answer. Drawing is :mod:`embgeom.figures`; the page is
+:func:`embgeom.report_page.build_report`. Both are CPU work: callers run these functions
+off the event loop (``read`` is a synchronous plan runner).
+
+Cache: rendered bytes are kept in a :class:`RenderCache` under
+``(collection, ((model, generation, version), ...), what)``: ``what`` names the figure
+and the parameters it uses (format, layer, count filter, overlaid models). The version
+is bumped by every completed checkpoint and the generation by every DELETE, so a figure
+is drawn again once its collection changes; an entry is only stored when the pair's state
+read before the snapshot, inside it and after the drawing are the same with nothing
+being applied (``applying == 0``), so a half-applied checkpoint is never cached.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable, Hashable, Optional, Sequence
+from urllib.parse import quote, urlencode
+
+from embgeom import figures, reports
+from embgeom.errors import InvalidInput, NotFound
+from embgeom.report_page import ISOTROPY_COLUMNS, build_report
+from embgeom.stats import layer_summary
+from embgeom.store.keys import PairKeys
+from embgeom.store.reader import PairState, Plan, Reader
+
+__all__ = [
+    "LAYER_FIGURES", "FILTERED_FIGURES", "MAX_OVERLAID_MODELS", "REPORT_ISOTROPY_COLUMNS",
+    "FigureParams", "Rendered", "RenderCache", "check_format", "figure_params", "default_layer",
+    "render_figure", "render_report",
+]
+
+# Figures of one layer (``?layer=`` required) and figures over the count-filtered types.
+LAYER_FIGURES = ("vm_scatter", "frequency", "spectrum")
+FILTERED_FIGURES = ("vm_scatter", "layer_summary", "decomposition", "within_ratio", "frequency")
+MAX_OVERLAID_MODELS = 8
+
+MEDIA_TYPES = {"png": "image/png", "svg": "image/svg+xml"}
+
+# The page's isotropy table: the partition isotropy I(W) needs a scan of every mean
+# vector, which the page does not make (the JSON endpoint has it).
+REPORT_ISOTROPY_COLUMNS = tuple(c for c in ISOTROPY_COLUMNS if c[0] != "partition_isotropy")
+
+# What each figure reads.
+_NEEDS = {
+    "vm_scatter": {"tokens"},
+    "frequency": {"tokens"},
+    "layer_summary": {"rows"},
+    "decomposition": {"rows"},
+    "within_ratio": {"rows"},
+    "isotropy": {"isotropy"},
+    "outliers": {"outliers"},
+    "spectrum": {"spectrum"},
+}
+
+
+@dataclass(frozen=True)
+class FigureParams:
+    """A figure request, normalised: a parameter the figure does not use is dropped, so
+    requests that draw the same image share one cache entry."""
+
+    name: str
+    fmt: str = "png"
+    layer: Optional[int] = None
+    min_count: int = 1
+    max_count: Optional[int] = None
+    models: tuple[str, ...] = ()
+
+    @property
+    def count_filter(self) -> reports.CountFilter:
+        return reports.CountFilter(self.min_count, self.max_count)
+
+    def what(self) -> tuple:
+        return ("figure", self.name, self.fmt, self.layer, self.min_count, self.max_count)
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """Encoded bytes, the ``as_of`` of the (first) pair they show, the layer of the
+    per-layer figures, and whether they came from the cache."""
+
+    content: bytes
+    as_of: dict
+    layer: Optional[int]
+    hit: bool = False
+
+
+def check_format(fmt: str) -> str:
+    """``fmt`` if it is an image format of :mod:`embgeom.figures`, else ``invalid_format``."""
+    if fmt not in figures.FORMATS:
+        raise InvalidInput(f"format must be one of {', '.join(figures.FORMATS)}, not {fmt!r}",
+                           type="invalid_format", format=fmt, formats=list(figures.FORMATS))
+    return fmt
+
+
+def figure_params(name: str, fmt: str, layer: Optional[int], min_count: int,
+                  max_count: Optional[int], models: Optional[str], model: str) -> FigureParams:
+    """Check a figure request: ``unknown_figure`` (404), ``invalid_format``,
+    ``layer_required``, ``invalid_filter``, ``invalid_models`` (422).
+
+    ``models`` (comma-separated aliases) only applies to ``layer_summary``, where it
+    defaults to ``model``; ``layer`` only to the per-layer figures and the count filter
+    only to the filtered ones: elsewhere they are ignored.
+    """
+    if name not in figures.FIGURES:
+        raise NotFound("unknown_figure", f"no figure {name!r}; figures: {', '.join(figures.FIGURES)}",
+                       figure=name, figures=list(figures.FIGURES))
+    check_format(fmt)
+    reports.CountFilter(min_count, max_count)  # invalid_filter
+    if name in LAYER_FIGURES:
+        if layer is None:
+            raise InvalidInput(f"figure {name!r} shows one layer: give ?layer=", type="layer_required",
+                               figure=name)
+    else:
+        layer = None
+    if name not in FILTERED_FIGURES:
+        min_count, max_count = 1, None
+    overlaid: tuple[str, ...] = (model,)
+    if name == "layer_summary" and models is not None:
+        names = [m.strip() for m in models.split(",")]
+        if any(not m for m in names):
+            raise InvalidInput("models must be comma-separated model aliases, none empty",
+                               type="invalid_models", models=models)
+        overlaid = tuple(dict.fromkeys(names))
+        if len(overlaid) > MAX_OVERLAID_MODELS:
+            raise InvalidInput(f"at most {MAX_OVERLAID_MODELS} models can be overlaid",
+                               type="invalid_models", models=list(overlaid),
+                               limit=MAX_OVERLAID_MODELS)
+    return FigureParams(name, fmt, layer, min_count, max_count, overlaid)
+
+
+def default_layer(layers: Sequence[int]) -> Optional[int]:
+    """The layer the report's per-layer figures show by default: the middle kept one
+    (where the paper finds the clearest norm-variance trade-off)."""
+    return layers[len(layers) // 2] if len(layers) else None
+
+
+# ------------------------------------------------------------------ cache
+
+class RenderCache:
+    """A thread-safe LRU of rendered bytes, bounded in bytes (0 disables it).
+
+    Keys are ``(scope, states, what)`` with ``scope = (collection, models)`` and
+    ``states`` their ``(generation, version)``: storing an entry drops the entries of the
+    same scope at other states, which no request can reach any more.
+    """
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[Hashable, tuple[Any, int]] = OrderedDict()
+        self._size = 0
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    def get(self, key: Hashable) -> Any:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                self.misses += 1
+                return None
+            self._entries.move_to_end(key)
+            self.hits += 1
+            return entry[0]
+
+    def put(self, key: Hashable, value: Any, nbytes: int) -> None:
+        if nbytes > self.max_bytes:
+            return
+        scope, states = key[0], key[1]
+        with self._lock:
+            for other in [k for k in self._entries if k[0] == scope and k[1] != states]:
+                self._size -= self._entries.pop(other)[1]
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self._size -= old[1]
+            self._entries[key] = (value, nbytes)
+            self._size += nbytes
+            while self._size > self.max_bytes:
+                self._size -= self._entries.popitem(last=False)[1][1]
+
+
+# ------------------------------------------------------------------ reads
+
+def _fingerprints(reader: Reader, pairs: Sequence[PairKeys]) -> Plan:
+    """``((gen, version, applying), ...)`` of each pair (``collection_not_found`` /
+    ``model_not_in_collection`` when one holds nothing)."""
+    out = []
+    for pair in pairs:
+        state = yield from reader.pair_state(pair)
+        out.append(_fingerprint(state))
+    return tuple(out)
+
+
+def _fingerprint(state: PairState) -> tuple[int, int, int]:
+    return (state.gen, state.version, state.applying)
+
+
+def _settled(prints: Sequence[tuple[int, int, int]]) -> bool:
+    return all(p[2] == 0 for p in prints)
+
+
+def _key(collection: str, models: Sequence[str], prints, what: tuple) -> tuple:
+    return ((collection, tuple(models)), tuple(p[:2] for p in prints), what)
+
+
+def _snapshot(reader: Reader, pair: PairKeys, needs: set, count_filter: reports.CountFilter,
+              layer: Optional[int]) -> Plan:
+    """Everything ``needs`` names, read for one pair after one state read.
+
+    ``layer`` None with a per-layer need takes :func:`default_layer`; a layer the
+    collection does not keep is ``layer_not_kept``.
+    """
+    state = yield from reader.pair_state(pair)
+    snap: dict = {"state": state, "model": pair.model, "layer": layer}
+    if state.empty:
+        return snap
+    per_layer = bool(needs & {"tokens", "spectrum"})
+    if per_layer and layer is None:
+        layer = snap["layer"] = default_layer(state.conf.layers)
+    pos = reports._positions(state, [layer])[0] if per_layer else None
+    if "rows" in needs:
+        rows, _ = yield from reports.layer_rows(reader, pair, None, count_filter)
+        snap["rows"] = rows
+    if "tokens" in needs:
+        scal = yield from reader.scalars(state)
+        M, V, Q = scal.at(pos)
+        keep = count_filter.mask(scal.n)
+        n_k, Q_k, M_k, V_k = scal.n[keep], Q[keep], M[keep], V[keep]
+        # The same regression as the ``.../layers`` row of this layer and filter.
+        snap["tokens"] = {"n": n_k, "Q": Q_k, "M": M_k, "V": V_k,
+                          "summary": layer_summary(n_k, Q_k, M_k, V_k)}
+    if "isotropy" in needs:
+        rows = []
+        for kept in state.conf.layers:
+            with_spectrum = "spectrum" in needs and kept == layer
+            rows.append((yield from reports.isotropy(reader, pair, kept, spectrum=with_spectrum,
+                                                     partition=False)))
+        snap["isotropy"] = rows
+        if "spectrum" in needs:
+            snap["eigenvalues"] = rows[pos]["eigenvalues"]
+    elif "spectrum" in needs:
+        iso = yield from reports.isotropy(reader, pair, layer, spectrum=True, partition=False)
+        snap["eigenvalues"] = iso["eigenvalues"]
+    if "outliers" in needs:
+        snap["outliers"] = yield from reports.model_outliers(reader, pair)
+    return snap
+
+
+def _draw(name: str, fmt: str, snaps: Sequence[dict]) -> bytes:
+    """One figure from its snapshot(s) (several only for an overlaid layer_summary)."""
+    snap = snaps[0]
+    model, layer = snap["model"], snap["layer"]
+    if name == "layer_summary":
+        return figures.layer_summary([{"model": s["model"], "layers": s.get("rows", [])} for s in snaps],
+                                     fmt=fmt)
+    if name in ("vm_scatter", "frequency"):
+        tokens = snap.get("tokens") or {"n": [], "Q": [], "M": [], "V": [], "summary": {}}
+        if name == "frequency":
+            return figures.frequency(tokens["n"], tokens["Q"], tokens["M"], tokens["V"], layer, model,
+                                     fmt=fmt)
+        s = tokens["summary"]
+        return figures.vm_scatter(tokens["M"], tokens["V"], tokens["n"], s.get("slope"),
+                                  s.get("intercept"), s.get("r2"), layer, model, fmt=fmt)
+    if name == "decomposition":
+        return figures.decomposition(snap.get("rows", []), model, fmt=fmt)
+    if name == "within_ratio":
+        return figures.within_ratio(snap.get("rows", []), model, fmt=fmt)
+    if name == "isotropy":
+        return figures.isotropy(snap.get("isotropy", []), model, fmt=fmt)
+    if name == "outliers":
+        return figures.outliers(snap.get("outliers", {}), model, fmt=fmt)
+    if name == "spectrum":
+        return figures.spectrum(snap.get("eigenvalues"), layer, model, fmt=fmt)
+    raise ValueError(f"no figure {name!r}")
+
+
+def _store(cache: RenderCache, read, reader: Reader, pairs: Sequence[PairKeys], snaps: Sequence[dict],
+           entries: Sequence[tuple[tuple, tuple]]) -> None:
+    """Cache ``entries`` (what, value) when the snapshot was settled and still is; a
+    value's first item is the bytes it is sized by."""
+    seen = tuple(_fingerprint(s["state"]) for s in snaps)
+    if not entries or not _settled(seen) or cache.max_bytes <= 0:
+        return
+    if read(_fingerprints(reader, pairs)) != seen:
+        return
+    collection, models = pairs[0].collection, [p.model for p in pairs]
+    for what, value in entries:
+        cache.put(_key(collection, models, seen, what), value, len(value[0]))
+
+
+def render_figure(cache: RenderCache, read: Callable[[Plan], Any], reader: Reader, collection: str,
+                  params: FigureParams) -> Rendered:
+    """The figure ``params`` names, from the cache or from one snapshot of each pair."""
+    models = params.models or ()
+    if not models:
+        raise ValueError("FigureParams.models must name the pair(s) (figure_params does)")
+    pairs = [PairKeys(collection, m) for m in models]
+    what = params.what() + ((models,) if params.name == "layer_summary" else ())
+    before = read(_fingerprints(reader, pairs))
+    if _settled(before):
+        hit = cache.get(_key(collection, models, before, what))
+        if hit is not None:
+            return Rendered(hit[0], hit[1], params.layer, hit=True)
+
+    def plan():
+        snaps = []
+        for p in pairs:
+            snaps.append((yield from _snapshot(reader, p, _NEEDS[params.name], params.count_filter,
+                                               params.layer)))
+        return snaps
+
+    snaps = read(plan())
+    content = _draw(params.name, params.fmt, snaps)
+    as_of = snaps[0]["state"].as_of()
+    _store(cache, read, reader, pairs, snaps, [(what, (content, as_of))])
+    return Rendered(content, as_of, snaps[0]["layer"])
+
+
+# ------------------------------------------------------------------ report
+
+def report_links(pair: PairKeys, layer: Optional[int], count_filter: reports.CountFilter,
+                 prefix: str = "") -> list[tuple[str, str]]:
+    """(label, href) of the JSON endpoints (and figures, exports) behind the page."""
+    base = f"{prefix}/v1/collections/{quote(pair.collection, safe='')}/models/{quote(pair.model, safe='')}"
+    counts = urlencode({k: v for k, v in count_filter.to_dict().items() if v is not None})
+    links = [("per-layer statistics (JSON)", f"{base}/layers?{counts}"),
+             ("outlier dimensions of every layer (JSON)", f"{base}/outliers")]
+    if layer is not None:
+        lb = f"{base}/layers/{layer}"
+        links += [
+            (f"layer {layer}: decomposition (JSON)", f"{lb}/decomposition?{counts}"),
+            (f"layer {layer}: token statistics (JSON)", f"{lb}/tokens?{counts}"),
+            (f"layer {layer}: isotropy (JSON)", f"{lb}/isotropy"),
+            (f"layer {layer}: outliers (JSON)", f"{lb}/outliers"),
+            (f"layer {layer}: export (Parquet)", f"{lb}/export?format=parquet&{counts}"),
+            (f"layer {layer}: export (CSV)", f"{lb}/export?format=csv&{counts}"),
+        ]
+    for name in figures.FIGURES:
+        query = {"format": "svg"}
+        if name in LAYER_FIGURES:
+            if layer is None:
+                continue
+            query["layer"] = layer
+        if name in FILTERED_FIGURES:
+            query.update({k: v for k, v in count_filter.to_dict().items() if v is not None})
+        links.append((f"figure {name} (SVG)", f"{base}/figures/{name}?{urlencode(query)}"))
+    return links
+
+
+def render_report(cache: RenderCache, read: Callable[[Plan], Any], reader: Reader, pair: PairKeys,
+                  count_filter: reports.CountFilter, layer: Optional[int] = None,
+                  fmt: str = "png") -> Rendered:
+    """The report page (UTF-8 HTML) of a pair: the per-layer table, the isotropy table,
+    every figure (``fmt``, as data URIs) and links to the JSON endpoints, all from one
+    snapshot. Figures drawn for it are cached as the figure endpoint's entries too."""
+    pairs = [pair]
+    f = count_filter
+    what = ("report", fmt, layer, f.min_count, f.max_count)
+    before = read(_fingerprints(reader, pairs))
+    if _settled(before):
+        hit = cache.get(_key(pair.collection, [pair.model], before, what))
+        if hit is not None:
+            return Rendered(hit[0], hit[1], hit[2], hit=True)
+
+    needs = set().union(*_NEEDS.values())
+    snap = read(_snapshot(reader, pair, needs, f, layer))
+    state: PairState = snap["state"]
+    shown = snap["layer"]
+    prints = (_fingerprint(state),)
+    entries = []
+    drawn = {}
+    for name in figures.FIGURES:
+        params = FigureParams(name, fmt, shown if name in LAYER_FIGURES else None,
+                              *((f.min_count, f.max_count) if name in FILTERED_FIGURES else (1, None)),
+                              models=(pair.model,))
+        fig_what = params.what() + (((pair.model,),) if name == "layer_summary" else ())
+        cached = cache.get(_key(pair.collection, [pair.model], prints, fig_what)) if _settled(prints) else None
+        if cached is not None:
+            drawn[name] = cached[0]
+            continue
+        if name in LAYER_FIGURES and shown is None:
+            drawn[name] = None  # an empty pair: no layer to show
+            continue
+        drawn[name] = _draw(name, fmt, [snap])
+        entries.append((fig_what, (drawn[name], state.as_of())))
+
+    conf = state.conf
+    summary = {"collection": pair.collection, "model": pair.model, "as_of": state.as_of()}
+    if conf is not None:
+        summary["settings"] = {"key": conf.key, "unit": conf.unit,
+                               "include_special": conf.include_special,
+                               "self_similarity": conf.self_similarity}
+    summary["count filter"] = f"{f.min_count} <= n_t" + (f" <= {f.max_count}" if f.max_count else "")
+    if shown is not None:
+        summary["layer of the per-layer figures"] = shown
+    page = build_report(f"embgeom report: {pair.collection} / {pair.model}", summary,
+                        snap.get("rows", []), snap.get("isotropy", []), drawn,
+                        report_links(pair, shown, f), isotropy_columns=REPORT_ISOTROPY_COLUMNS)
+    content = page.encode("utf-8")
+    entries.append((what, (content, state.as_of(), shown)))
+    _store(cache, read, reader, pairs, [snap], entries)
+    return Rendered(content, state.as_of(), shown)

@@ -1,0 +1,124 @@
+"""Figures (PNG, SVG), the report page (HTML) and per-token exports (Parquet, CSV).
+
+Rendering and encoding are CPU work: these routes are plain ``def`` routes, run on the
+thread pool with the synchronous Redis client, never on the event loop. Figures and
+pages come from :mod:`embgeom.renders` (one snapshot each, cached per API process until
+the collection changes); exports from :mod:`embgeom.exports`, streamed.
+
+Responses carry ``X-Embgeom-Version`` (the ``as_of`` version they show) and figures and
+pages ``X-Embgeom-Cache: hit|miss``.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Annotated, Optional
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import Response, StreamingResponse
+
+from embgeom import exports, reports
+from embgeom.renders import (
+    MEDIA_TYPES, RenderCache, check_format, figure_params, render_figure, render_report,
+)
+from service.deps import LayerTargetDep, ModelDep, PairDep, RuntimeDep, _check_layer
+from service.schemas import ErrorBody
+
+router = APIRouter(prefix="/v1/collections/{collection}/models/{model}", tags=["figures"],
+                   responses={404: {"model": ErrorBody}, 422: {"model": ErrorBody}})
+
+MinCount = Annotated[int, Query(ge=1, description="Keep token types with n_t >= min_count")]
+MaxCount = Annotated[Optional[int], Query(ge=1, description="Keep token types with n_t <= max_count")]
+ImageFormat = Annotated[str, Query(description="png | svg")]
+
+_cache_lock = threading.Lock()
+
+
+def _cache(request: Request) -> RenderCache:
+    """The app's render cache (one per API process), made on first use."""
+    state = request.app.state
+    cache = getattr(state, "render_cache", None)
+    if cache is None:
+        with _cache_lock:
+            cache = getattr(state, "render_cache", None)
+            if cache is None:
+                mb = request.app.state.runtime.settings.render_cache_mb
+                cache = state.render_cache = RenderCache(mb << 20)
+    return cache
+
+
+def _headers(rendered) -> dict:
+    headers = {"X-Embgeom-Cache": "hit" if rendered.hit else "miss",
+               "X-Embgeom-Version": str(rendered.as_of.get("version", 0)),
+               "Cache-Control": "no-cache"}
+    if rendered.layer is not None:
+        headers["X-Embgeom-Layer"] = str(rendered.layer)
+    return headers
+
+
+@router.get("/figures/{name}", response_class=Response,
+            responses={200: {"content": {"image/png": {}, "image/svg+xml": {}},
+                             "description": "The figure"}})
+def figure(request: Request, pair: PairDep, model: ModelDep, rt: RuntimeDep, name: str,
+           format: ImageFormat = "png",
+           layer: Annotated[Optional[int], Query(description="Required by vm_scatter, frequency, spectrum")] = None,
+           min_count: MinCount = 1, max_count: MaxCount = None,
+           models: Annotated[Optional[str], Query(
+               description="layer_summary: comma-separated models of the collection to overlay "
+                           "(default: this one)")] = None) -> Response:
+    """One figure, drawn from one consistent read of the collection.
+
+    ``name``: vm_scatter (V against M per token type, paper Fig. 2), layer_summary (cv_Q,
+    slope, R^2 across layers, Fig. 4), decomposition (Fig. 5), within_ratio (Fig. 6),
+    frequency (Q, M, V against log10 n, Fig. 7), isotropy, outliers, spectrum. The count
+    filter (default every token type, as the JSON endpoints) applies to the first five.
+    Figures are cached until the collection changes."""
+    params = figure_params(name, format, layer, min_count, max_count, models, pair.model)
+    if params.layer is not None:
+        _check_layer(model, params.layer)
+    for other in params.models:
+        if other != pair.model:
+            rt.registry.source(other)  # unknown_model
+    rendered = render_figure(_cache(request), rt.read_sync, rt.reader, pair.collection, params)
+    return Response(rendered.content, media_type=MEDIA_TYPES[params.fmt], headers=_headers(rendered))
+
+
+@router.get("/report", response_class=Response,
+            responses={200: {"content": {"text/html": {}}, "description": "The report page"}})
+def report(request: Request, pair: PairDep, model: ModelDep, rt: RuntimeDep,
+           min_count: MinCount = 1, max_count: MaxCount = None,
+           layer: Annotated[Optional[int], Query(
+               description="Layer of the per-layer figures (default: the middle kept layer)")] = None,
+           format: Annotated[str, Query(description="Figures as png (default) or svg")] = "png") -> Response:
+    """A self-contained HTML page: the per-layer table, the isotropy table, every figure
+    and links to the JSON endpoints, from one consistent read; cached until the
+    collection changes."""
+    check_format(format)
+    if layer is not None:
+        _check_layer(model, layer)
+    f = reports.CountFilter(min_count, max_count)
+    rendered = render_report(_cache(request), rt.read_sync, rt.reader, pair, f, layer, format)
+    return Response(rendered.content, media_type="text/html; charset=utf-8", headers=_headers(rendered))
+
+
+@router.get("/layers/{layer}/export", response_class=StreamingResponse,
+            responses={200: {"content": {exports.MEDIA_TYPES["parquet"]: {}, "text/csv": {}},
+                             "description": "One row per token type"}})
+def export(t: LayerTargetDep,
+           format: Annotated[str, Query(description="parquet | csv")] = "parquet",
+           min_count: MinCount = 1, max_count: MaxCount = None,
+           means: Annotated[bool, Query(description="Add each token type's mean vector")] = False):
+    """One row per token type: token_id, token, n, Q, M, V, self_similarity (and with
+    ``means=true`` the mean vector, a JSON array in CSV), streamed, ordered by token_id;
+    ``pandas.read_parquet(url)`` or ``pandas.read_csv(url, keep_default_na=False,
+    na_values={"self_similarity": [""]})`` read it back exactly."""
+    fmt = exports.check_format(format)
+    f = reports.CountFilter(min_count, max_count)
+    rt = t.rt
+    ex = rt.read_sync(exports.prepare(rt.reader, t.pair, t.layer, f, means,
+                                      rt.registry.tokenizer(t.pair.model)))
+    filename = f"{t.pair.collection}-{t.pair.model}-layer{t.layer}.{fmt}"
+    headers = {"Content-Disposition": f'attachment; filename="{filename}"',
+               "X-Embgeom-Version": str(ex.state.version), "X-Embgeom-Rows": str(ex.rows)}
+    return StreamingResponse(exports.stream(ex, rt.read_sync, fmt), media_type=exports.MEDIA_TYPES[fmt],
+                             headers=headers)
