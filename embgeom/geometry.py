@@ -49,6 +49,7 @@ __all__ = [
     "intrinsic_dimension",
     "linear_cka",
     "lle_transfer",
+    "lle_transfer_rows",
     "lle_weights",
     "local_pca_dimension",
     "mle_dimension",
@@ -675,16 +676,8 @@ def lle_transfer(A, B, k, reg=1e-3, seed=0) -> dict:
     Roweis & Saul, Science 2000; Lee, Weber, Viegas & Wattenberg 2025, section 4 (local
     similarity with LLE).
     """
-    A, B = _pair(A, B, 2)
-    k = _neighbour_count(k, A.shape[0])
-    reg = _real(reg, "reg", 0.0, np.inf, closed_high=False)
-    seed = _seed(seed)
-    idx_a, _ = _knn(A, k)
-    w_a = _barycenter_weights(A, idx_a, reg)
-    w_b_same = _barycenter_weights(B, idx_a, reg)
-    idx_b, _ = _knn(B, k)
-    w_b = _barycenter_weights(B, idx_b, reg)
-    w_rand = np.random.default_rng(seed).dirichlet(np.ones(k), size=A.shape[0])
+    A, B, k, reg, seed = _lle_inputs(A, B, k, reg, seed)
+    idx_a, w_a, w_b_same, idx_b, w_b, w_rand = _lle_parts(A, B, k, reg, seed)
     transfer = _reconstruction_error(B, idx_a, w_a)
     own = _reconstruction_error(B, idx_a, w_b_same)
     random = _reconstruction_error(B, idx_a, w_rand)
@@ -702,6 +695,71 @@ def lle_transfer(A, B, k, reg=1e-3, seed=0) -> dict:
         "neighbor_overlap": _neighbor_overlap(idx_a, idx_b),
         "k": k,
         "reg": reg,
+    }
+
+
+def _lle_inputs(A, B, k, reg, seed):
+    A, B = _pair(A, B, 2)
+    k = _neighbour_count(k, A.shape[0])
+    reg = _real(reg, "reg", 0.0, np.inf, closed_high=False)
+    return A, B, k, reg, _seed(seed)
+
+
+def _lle_parts(A: np.ndarray, B: np.ndarray, k: int, reg: float, seed: int):
+    """a's neighbours and weights, b's weights on them, b's own neighbours and weights,
+    and the seeded random weights: everything :func:`lle_transfer` compares."""
+    idx_a, _ = _knn(A, k)
+    w_a = _barycenter_weights(A, idx_a, reg)
+    w_b_same = _barycenter_weights(B, idx_a, reg)
+    idx_b, _ = _knn(B, k)
+    w_b = _barycenter_weights(B, idx_b, reg)
+    w_rand = np.random.default_rng(seed).dirichlet(np.ones(k), size=A.shape[0])
+    return idx_a, w_a, w_b_same, idx_b, w_b, w_rand
+
+
+def _row_errors(Y: np.ndarray, neighbors: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """Per row, ``||y_i - sum_j w_ij y_j||^2`` over the mean squared deviation of Y: their
+    mean is :func:`_reconstruction_error`."""
+    n, k = neighbors.shape
+    Yc = Y - Y.mean(axis=0)
+    msd = float(np.einsum("ij,ij->", Yc, Yc)) / n
+    out = np.empty(n, dtype=np.float64)
+    chunk = _rows_per_chunk(k * Y.shape[1])
+    for s in range(0, n, chunk):
+        e = min(s + chunk, n)
+        r = Yc[s:e] - np.einsum("rk,rkd->rd", weights[s:e], Yc[neighbors[s:e]])
+        out[s:e] = np.einsum("ij,ij->i", r, r)
+    if msd <= 0.0:
+        return np.full(n, np.nan)
+    return out / msd
+
+
+def lle_transfer_rows(A, B, k, reg=1e-3, seed=0) -> dict:
+    """:func:`lle_transfer` token by token (for plots).
+
+    Parameters are those of :func:`lle_transfer`, with the same neighbours and weights
+    (the same ``seed`` draws the same random weights).
+
+    Returns
+    -------
+    dict of arrays of shape (n,), one entry per row, each error relative to B's mean
+    squared deviation from its mean (``||b_i - sum_j w_ij b_j||^2 / (sum_i ||b_i -
+    mean(B)||^2 / n)``), so that the mean of each array is the matching aggregate of
+    :func:`lle_transfer`:
+        ``transfer``, ``own``, ``own_neighbors``, ``random``: as ``transfer_error``,
+        ``own_error``, ``own_neighbors_error``, ``random_error``;
+        ``overlap``: ``|N_A(i) & N_B(i)| / k`` (mean: ``neighbor_overlap``);
+    and ``neighbors`` (n, k) int64, row i's neighbours in A.
+    """
+    A, B, k, reg, seed = _lle_inputs(A, B, k, reg, seed)
+    idx_a, w_a, w_b_same, idx_b, w_b, w_rand = _lle_parts(A, B, k, reg, seed)
+    return {
+        "transfer": _row_errors(B, idx_a, w_a),
+        "own": _row_errors(B, idx_a, w_b_same),
+        "own_neighbors": _row_errors(B, idx_b, w_b),
+        "random": _row_errors(B, idx_a, w_rand),
+        "overlap": np.sum(idx_a[:, :, None] == idx_b[:, None, :], axis=(1, 2)) / k,
+        "neighbors": idx_a,
     }
 
 

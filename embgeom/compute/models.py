@@ -153,6 +153,7 @@ def _resolve_source(source: str, cache_dir: Path) -> str:
             "minilm": lambda: sources.minilm_path(),
             "mpnet": lambda: sources.mpnet_path(cache_dir),
             "smollm2": lambda: sources.smollm2_path(cache_dir),
+            "gemma3": lambda: sources.gemma3_path(cache_dir),
         }
         if package not in finders:
             raise FileNotFoundError(f"no packaged model named {package!r}")
