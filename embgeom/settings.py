@@ -21,9 +21,9 @@ class ModelSource(BaseModel):
     """Where one model alias comes from.
 
     ``source`` is ``package:<name>`` for a model installed from a pip package
-    (``package:minilm``, ``package:mpnet``, ``package:smollm2``), a local folder, or a
-    Hugging Face id already in the local cache. ``gguf_file`` names the GGUF file inside
-    the source for quantised checkpoints.
+    (``package:minilm``, ``package:mpnet``, ``package:smollm2``, ``package:gemma3``), a local
+    folder, or a Hugging Face id already in the local cache. ``gguf_file`` names the GGUF
+    file inside the source for quantised checkpoints.
     """
 
     source: str
@@ -43,6 +43,10 @@ BUILTIN_MODELS: dict[str, ModelSource] = {
     "smollm2": ModelSource(
         source="package:smollm2",
         description="HuggingFaceTB/SmolLM2-135M-Instruct (Llama, pre-RMSNorm, 30 layers, 576-d)",
+    ),
+    "gemma3": ModelSource(
+        source="package:gemma3",
+        description="google/gemma-3-270m (Gemma 3 base, pre/post-RMSNorm, 18 layers, 640-d)",
     ),
 }
 
@@ -97,8 +101,10 @@ class Settings(BaseSettings):
     checkpoint_bytes: int = Field(
         1 << 30, ge=1 << 20, description="Bytes of per-token state a window may hold")
     checkpoint_horizon_seconds: float = Field(
-        3600.0, gt=0, description="How long an interrupted checkpoint may be resumed, and how "
-                                  "long its markers outlive it")
+        3600.0, gt=0, description="How long a completed checkpoint's applied-markers outlive "
+                                  "it (a redelivered piece is recognised for that long); a "
+                                  "piece whose in-flight check is older than half of this is "
+                                  "refused before it writes")
     shards: int = Field(32, ge=1, le=4096, description="Token shards of a new (collection, model) pair")
     chunk_bytes: int = Field(2 << 20, ge=1 << 16, description="Largest co-moment chunk value")
     piece_bytes: int = Field(8 << 20, ge=1 << 16, description="Largest bytes one shard write carries")
@@ -123,6 +129,9 @@ class Settings(BaseSettings):
 
     store_timeout_seconds: float = Field(
         10.0, gt=0, description="A read that Redis does not answer within this is a 503")
+    render_cache_mb: int = Field(
+        64, ge=0, description="Rendered figures and report pages each API process keeps (LRU, "
+                              "MB; 0 disables): one is drawn again once its collection changes")
 
     # Access
     api_key: Optional[str] = Field(None, description="Bearer token required on /v1 when set")
@@ -137,7 +146,58 @@ class Settings(BaseSettings):
     )
     heartbeat_seconds: float = Field(2.0, gt=0, description="Worker heartbeat period")
     max_attempts: int = Field(3, ge=1, description="Deliveries before a job is dead-lettered")
-    idempotency_ttl_seconds: int = Field(7 * 24 * 3600, ge=1)
+    idempotency_ttl_seconds: int = Field(
+        7 * 24 * 3600, ge=1, description="How long an Idempotency-Key names its job")
+    retention_seconds: int = Field(
+        7 * 24 * 3600, ge=60, description="How long an ended job's record stays readable; a "
+                                          "redelivery of a job older than this is refused, "
+                                          "not counted again")
+
+    # Cross-model geometry (/v1/compare/*, intrinsic dimension, neighbours, steering): each
+    # request reads and compares a bounded number of token means, in the API process.
+    geometry_max_tokens: int = Field(
+        5000, ge=10, le=10_000,
+        description="Matched tokens a global comparison or an Emb2Emb fit uses at most (a "
+                    "seeded sample of this many beyond; a larger requested sample is 422 "
+                    "sample_too_large), and candidate tokens an intrinsic-dimension or "
+                    "neighbours read may scan (422 too_many_tokens beyond)")
+    geometry_max_lle_tokens: int = Field(
+        3000, ge=10, le=10_000,
+        description="Matched tokens an LLE comparison uses at most (a seeded sample beyond)")
+    geometry_max_k: int = Field(
+        100, ge=3, le=1000, description="Neighbours per token (k) a geometry request may ask")
+    geometry_min_shared_tokens: int = Field(
+        20, ge=3, description="Fewer matched tokens than this is 422 too_few_shared_tokens")
+    geometry_cache_entries: int = Field(
+        64, ge=0, description="Geometry results and token matrices kept in the API process "
+                              "until either space changes (LRU; 0 disables)")
+    geometry_cache_mb: int = Field(
+        256, ge=0, description="Memory those cached token matrices may take")
+    geometry_max_concurrent: int = Field(
+        2, ge=1, description="Geometry computations running at once in the API process; "
+                             "beyond, 429 overloaded")
+
+    # HTTP API: keys with scopes (service/auth.py) and bounded requests (service/limits.py).
+    # With no key configured (neither these nor api_key above) /v1 is open.
+    api_keys: dict[str, list[Literal["read", "write", "admin"]]] = Field(
+        default_factory=dict,
+        description='API keys and their scopes, as JSON: {"key": ["read", "write"]}; read = GET, '
+                    "write = POST/PUT (jobs, collection settings, synchronous model runs), "
+                    "admin = DELETE (api_key holds all three)")
+    api_keys_file: Optional[Path] = Field(
+        None, description="JSON file of more keys, same shape as api_keys; read once at start-up")
+    metrics_require_key: bool = Field(
+        False, description="/metrics also needs a key with the read scope")
+    max_body_bytes: Optional[int] = Field(
+        None, ge=1024, description="Largest request body, checked while it is read (413 "
+                                   "payload_too_large before parsing); unset: "
+                                   "max_job_bytes * 5/4 + 1 MiB (room for the JSON around the texts)")
+    max_sync_bytes: int = Field(
+        1_000_000, ge=1, description="UTF-8 bytes of text a synchronous request (probe, isotropy "
+                                     "sample) may carry (413 beyond)")
+    max_sync_runs: int = Field(
+        2, ge=1, description="Synchronous model runs (probes, isotropy samples) at once in an API "
+                             "process; beyond, 429 overloaded with Retry-After (never queued)")
 
     @field_validator("worker_models", mode="before")
     @classmethod
@@ -150,6 +210,10 @@ class Settings(BaseSettings):
     def _check(self) -> "Settings":
         if self.max_window_tokens is not None and self.max_window_tokens > self.token_budget:
             raise ValueError("token_budget must hold one window of max_window_tokens")
+        if self.idempotency_ttl_seconds > self.retention_seconds:
+            # A key that outlives its job's record would find no job and enqueue the
+            # retry again: counted twice.
+            raise ValueError("idempotency_ttl_seconds must not exceed retention_seconds")
         return self
 
     @property

@@ -9,9 +9,15 @@ from typing import Optional
 from fastapi import Depends, FastAPI
 
 from embgeom.settings import Settings
+from service import auth as auth_doc
 from service import errors, metrics
+from service.auth import KeyTable
 from service.deps import require_api_key
+from service.limits import BodyLimit, body_limit
+from service.schemas import ErrorBody
 from service.routes import collections, diagnostics, health, jobs, models
+from service.routes import figures
+from service.routes import geometry
 from service.runtime import Runtime
 
 API_VERSION = "1.0.0"
@@ -20,7 +26,8 @@ API_VERSION = "1.0.0"
 def create_app(settings: Optional[Settings] = None, runtime: Optional[Runtime] = None) -> FastAPI:
     """Build the app. With ``runtime`` given, the caller owns it; otherwise the lifespan
     opens one from ``settings`` (embedded Redis + worker when no ``redis_url``)."""
-    settings = settings or Settings()
+    settings = settings or (runtime.settings if runtime is not None else Settings())
+    auth = KeyTable.from_settings(settings)  # keys parsed once; a malformed one stops here
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -46,12 +53,36 @@ def create_app(settings: Optional[Settings] = None, runtime: Optional[Runtime] =
                     "(variance) at every layer, the decomposition Q = M + V_W + V_B, "
                     "per-layer summaries, isotropy and outlier dimensions.",
         lifespan=lifespan,
+        # One dependency on every route: it needs a key, with the scope the method calls
+        # for, on /v1 (and /metrics when asked), and lets everything else through.
+        dependencies=[Depends(require_api_key)],
     )
+    app.state.auth = auth
     errors.install(app)
+    # Before metrics: a middleware added later wraps the earlier ones, so the metrics
+    # also count what the body limit refuses.
+    app.add_middleware(BodyLimit, limit=body_limit(settings))
     metrics.install(app)
     app.include_router(health.router)
     app.include_router(metrics.router)
-    secured = [Depends(require_api_key)]
-    for module in (models, jobs, collections, diagnostics):
-        app.include_router(module.router, dependencies=secured)
+    for module in (models, jobs, collections, diagnostics, figures, geometry):
+        app.include_router(module.router)  # secured by the app-wide require_api_key
+    _document(app, auth)
     return app
+
+
+def _document(app: FastAPI, auth: KeyTable) -> None:
+    """The OpenAPI document, post-processed once in one place: the real error bodies and
+    statuses (:func:`service.errors.document`) and the bearer scheme
+    (:func:`service.auth.document`), without a dependency per route."""
+    build = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = build()
+            errors.document(schema, ErrorBody.model_json_schema())
+            auth_doc.document(schema, auth.metrics_protected)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
