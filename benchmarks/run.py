@@ -113,24 +113,39 @@ def redis_server(slowest: Optional[Slowest] = None, where: str = ""):
 # ----------------------------------------------------------------------------- e2e
 
 
-def e2e_texts(count: int = 2000) -> list[str]:
+def e2e_texts(count: int = 2000, held_out: bool = True, cycle: bool = False) -> list[str]:
     """Short held-out BBC sentences: the sentences of the 20% held-out articles, 30..200
-    characters, in corpus order."""
+    characters, in corpus order. ``held_out=False`` takes every article's sentences (about
+    38,000, a million MiniLM tokens); ``cycle=True`` repeats them until ``count`` (a GPU
+    needs more text than BBC holds for a run of a few seconds)."""
     from embgeom.corpora import bbc_texts, split
 
-    held = split(bbc_texts("articles"), 0.2, seed=7).held_out
-    sentences = [s.strip() for article in held for line in article.split("\n")
+    articles = bbc_texts("articles")
+    if held_out:
+        articles = split(articles, 0.2, seed=7).held_out
+    sentences = [s.strip() for article in articles for line in article.split("\n")
                  for s in re.split(r"(?<=[.!?])\s+", line)]
-    return [s for s in sentences if 30 <= len(s) <= 200][:count]
+    sentences = [s for s in sentences if 30 <= len(s) <= 200]
+    if cycle and sentences and len(sentences) < count:
+        sentences = sentences * math.ceil(count / len(sentences))
+    return sentences[:count]
 
 
-def bare_forward(loaded, jobs: list[list[str]], token_budget: int) -> tuple[float, int]:
+def bare_forward(loaded, jobs: list[list[str]], token_budget: int,
+                 on_batch=None) -> tuple[float, int]:
     """Seconds to tokenise, batch and forward each job's texts (hidden states of every
-    layer), in the batches the service makes of each job: what a script would do."""
+    layer), in the batches the service makes of each job: what a script would do.
+
+    On a GPU the clock stops once the device is done (``torch.cuda.synchronize``).
+    ``on_batch(batch)``, if given, sees each :class:`PaddedBatch` after its forward (its
+    time counts in the figure: keep it cheap)."""
     import torch
 
     from embgeom.compute.positions import batches_by_token_budget, encode, pad_batch
 
+    cuda = loaded.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(loaded.device)
     start = time.perf_counter()
     counted = 0
     with torch.inference_mode():
@@ -140,7 +155,11 @@ def bare_forward(loaded, jobs: list[list[str]], token_budget: int) -> tuple[floa
                 batch = pad_batch(enc, windows, loaded.pad_id)
                 hidden = loaded.forward_padded(batch)
                 counted += batch.num_counted
+                if on_batch is not None:
+                    on_batch(batch)
                 del hidden
+    if cuda:
+        torch.cuda.synchronize(loaded.device)
     return time.perf_counter() - start, counted
 
 
@@ -178,18 +197,23 @@ class ServeProcess:
         self.log.close()
 
 
-def run_jobs(client: httpx.Client, collection: str, jobs: list[list[str]]) -> tuple[float, int]:
-    """Seconds from the first POST to every job done, and the tokens counted."""
+def run_jobs(client: httpx.Client, collection: str, jobs: list[list[str]], model: str = "minilm",
+             timeout: Optional[float] = None) -> tuple[float, int]:
+    """Seconds from the first POST to every job done, and the tokens counted; past
+    ``timeout`` seconds (if given) a :class:`TimeoutError`."""
     start = time.perf_counter()
     ids = []
     for texts in jobs:
-        r = client.post("/v1/jobs", json={"collection": collection, "model": "minilm", "texts": texts})
+        r = client.post("/v1/jobs", json={"collection": collection, "model": model, "texts": texts})
         r.raise_for_status()
         ids.append(r.json()["job_id"])
     while True:
         status = client.get("/v1/jobs", params={"ids": ",".join(ids)}).json()
         if all(s["status"] in ("done", "failed") for s in status):
             break
+        if timeout is not None and time.perf_counter() - start > timeout:
+            done = sum(s["status"] == "done" for s in status)
+            raise TimeoutError(f"{done} of {len(ids)} jobs done after {timeout:.0f} s")
         time.sleep(0.02)
     elapsed = time.perf_counter() - start
     assert all(s["status"] == "done" for s in status), status
@@ -390,9 +414,14 @@ def bench_workers(slowest: Slowest, quick: bool, counts=(1, 2, 4)) -> dict:
             for p in procs:
                 p.wait(timeout=300)
             stats = [json.loads((tmp / f"w{i}.json").read_text()) for i in range(W)]
-            busy = sum(s["counts"].get("shards.busy", 0) + s["counts"].get("shards.lost", 0) for s in stats)
+            # Aborted = work thrown away and redone: a shard whose lock expired before its
+            # pieces were written (re-read, re-merged). A shard found locked by another
+            # worker is not aborted work: it is tried again in a later round, before any
+            # read; reported beside it as lock_busy_per_job.
+            lost = sum(s["counts"].get("shards.lost", 0) for s in stats)
+            busy = sum(s["counts"].get("shards.busy", 0) for s in stats)
             out[str(W)] = {"tok_s": tokens / seconds, "seconds": round(seconds, 2), "jobs": jobs,
-                           "aborted_per_job": busy / jobs,
+                           "aborted_per_job": lost / jobs, "lock_busy_per_job": busy / jobs,
                            "jobs_per_worker": [s["jobs"] for s in stats],
                            "checkpoints": sum(s["checkpoints"] for s in stats),
                            "redis_bytes_per_token": (client.info("memory")["used_memory"] - before) / tokens}
@@ -428,6 +457,8 @@ def table(res: dict) -> str:
         if isinstance(v, dict):
             rows += [(f"workers_one_collection.{W}.tok_s", f"{v['tok_s']:,.0f}", ""),
                      (f"workers_one_collection.{W}.aborted_per_job", f"{v['aborted_per_job']:.3f}", ""),
+                     (f"workers_one_collection.{W}.lock_busy_per_job", f"{v['lock_busy_per_job']:.2f}",
+                      "shard locks found busy: retried later, no work redone"),
                      (f"workers_one_collection.{W}.redis_bytes_per_token", f"{v['redis_bytes_per_token']:,.0f}", "")]
     for k, v in (res.get("reads") or {}).items():
         rows.append((f"reads.{k}", f"{v:,.1f}" if isinstance(v, float) else str(v), ""))

@@ -73,3 +73,85 @@ def test_table_marks_targets_met_and_missed():
 def test_dense_shapes_are_what_the_design_quotes():
     v, layers, d = DENSE_MODELS["SmolLM2-135M"]
     assert round(v * layers * d * 8 / 1e9, 1) == 9.8 or v * layers * d * 8 > 7e9
+
+
+# ------------------------------------------------------------- benchmarks/gpu.py (pure parts)
+
+
+def test_flops_count_the_matmul_weights_and_the_attention_square():
+    import torch
+    from transformers import BertConfig, BertModel, GPT2Config, GPT2Model, LlamaConfig, LlamaModel
+
+    from benchmarks import gpu
+
+    torch.manual_seed(0)
+    # GPT-2 (Conv1D): 12 d^2 a block; d_attn = d
+    g = GPT2Model(GPT2Config(vocab_size=100, n_positions=32, n_embd=64, n_layer=2, n_head=4))
+    assert gpu.matmul_params(g) == 12 * 2 * 64 ** 2
+    assert gpu.attention_shape(g.config) == (2, 64)
+    # BERT: 4 d^2 + 2 d d_ff a block; the pooler (one token a sequence) left out
+    b = BertModel(BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                             intermediate_size=64, max_position_embeddings=32))
+    assert b.pooler is not None and gpu.matmul_params(b) == 2 * (4 * 32 * 32 + 2 * 32 * 64)
+    # Llama with grouped KV heads and an explicit head width: q, o d x (h x hd); k, v d x (kv x hd)
+    cfg = LlamaConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=8, intermediate_size=64)
+    assert gpu.matmul_params(LlamaModel(cfg)) == 2 * 32 * 32 + 2 * 32 * 16 + 3 * 32 * 64
+    assert gpu.attention_shape(cfg) == (1, 32)
+    # 2 P n + 4 L d_attn n^2, summed over sequences: lengths 3 and 4
+    P, L, d = 1000, 2, 64
+    assert gpu.forward_flops(3 + 4, 9 + 16, P, L, d) == 2 * P * 7 + 4 * L * d * 25
+
+
+def test_peak_bf16_is_looked_up_by_device_name():
+    from benchmarks.gpu import peak_bf16_flops
+
+    assert peak_bf16_flops("NVIDIA H200") == 989e12
+    assert peak_bf16_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert peak_bf16_flops("NVIDIA H100 PCIe") == 756e12
+    assert peak_bf16_flops("NVIDIA A100-SXM4-80GB") == 312e12
+    assert peak_bf16_flops("NVIDIA L4") == 121e12
+    assert peak_bf16_flops("NVIDIA L40S") == 362e12
+    assert peak_bf16_flops("Tesla T4") is None and peak_bf16_flops("") is None
+
+
+def test_gpt2_random_is_seeded_and_loads_as_an_alias(tmp_path):
+    import torch
+
+    from benchmarks.gpu import build_gpt2_random
+    from embgeom.compute.models import ModelPool, ModelRegistry
+    from embgeom.settings import ModelSource
+    from embgeom.sources import minilm_path
+
+    shape = dict(n_layer=1, n_embd=32, n_head=2, n_positions=64)
+    a = build_gpt2_random(tmp_path / "a", minilm_path(), seed=0, **shape)
+    b = build_gpt2_random(tmp_path / "b", minilm_path(), seed=0, **shape)
+    registry = ModelRegistry({"ga": ModelSource(source=str(a)), "gb": ModelSource(source=str(b))},
+                             tmp_path / "cache")
+    info = registry.info("ga")
+    assert (info.architecture, info.num_layers, info.hidden_size, info.max_length) == ("GPT2Model", 1, 32, 64)
+    pool = ModelPool(registry, "cpu", max_models=2)
+    wa, wb = pool.get("ga").model.h[0].attn.c_attn.weight, pool.get("gb").model.h[0].attn.c_attn.weight
+    assert torch.equal(wa, wb) and wa.std() > 0
+    ids = torch.tensor([[101, 2000, 102]])
+    assert len(pool.get("ga").hidden_states(ids, torch.ones_like(ids))) == 2
+
+
+def test_gpu_table_marks_the_ratio_target_and_records_skips():
+    from benchmarks import gpu
+
+    res = {"device": "cuda", "gpu": {"name": "NVIDIA H200"}, "peak_bf16_flop_s": 989e12,
+           "runs": {"mpnet.bf16": {"bare_tok_s": 1e6, "forward_only_tok_s": 2e6, "service_tok_s": 7e5,
+                                   "ratio": 0.7, "ratio_target": 0.8, "gflop_per_token": 0.2,
+                                   "bare_flop_s": 2e14, "bare_frac_peak_bf16": 0.2},
+                    "minilm.bf16": {"skipped": "budget: 10 s left"},
+                    "smollm2.fp32": {"bare_tok_s": 1e5, "error": "Traceback\nRuntimeError: boom"}}}
+    text = gpu.table(res)
+    assert "MISSED" in text and "budget: 10 s left" in text and "RuntimeError: boom" in text
+    assert "20.00%" in text and "989 TFLOP/s" in text
+
+
+def test_gpu_texts_cycle_bbc_beyond_its_size():
+    texts = run.e2e_texts(50_000, held_out=False, cycle=True)
+    assert len(texts) == 50_000 and texts[0] in texts[1:] and all(30 <= len(t) <= 200 for t in texts[:100])
+    assert len(run.e2e_texts(100)) == 100  # the make-bench default is unchanged
