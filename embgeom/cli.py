@@ -121,7 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     ingest.add_argument("--collection", default="default")
     ingest.add_argument("--url", default=os.environ.get("EMBGEOM_URL", "http://127.0.0.1:8080"))
     ingest.add_argument("--texts-per-job", type=int, default=1000)
-    ingest.add_argument("--include-special", action="store_true")
+    ingest.add_argument("--include-special", action="store_true", default=None,
+                        help="count the special tokens (only for a collection made by its "
+                             "first job; otherwise the collection's settings decide)")
     ingest.add_argument("--api-key", default=os.environ.get("EMBGEOM_API_KEY"))
     ingest.add_argument("--no-wait", action="store_true", help="submit and return")
     ingest.add_argument("--quiet", action="store_true", help="no progress bar")

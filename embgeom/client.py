@@ -153,11 +153,15 @@ class EmbgeomClient:
 
     # --------------------------------------------------------------------- jobs
     def submit(self, texts: Sequence[str], collection: str = "default", model: str = "minilm",
-               include_special: bool = False, idempotency_key: Optional[str] = None) -> str:
-        """Queue ``texts``; returns the job id (the first job's, for a repeated key)."""
+               include_special: Optional[bool] = None, idempotency_key: Optional[str] = None) -> str:
+        """Queue ``texts``; returns the job id (the first job's, for a repeated key).
+
+        ``include_special`` None leaves it to the collection's settings (a job that says
+        otherwise than an existing collection is refused with 409)."""
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
-        body = {"collection": collection, "model": model, "texts": list(texts),
-                "include_special": include_special}
+        body = {"collection": collection, "model": model, "texts": list(texts)}
+        if include_special is not None:
+            body["include_special"] = include_special
         return self._request("POST", "/v1/jobs", json=body, headers=headers)["job_id"]
 
     def job(self, job_id: str) -> dict:

@@ -87,7 +87,10 @@ async def tokens(t: LayerTargetDep,
                  order_by: Literal["n", "Q", "M", "V"] = "n", desc: bool = True,
                  limit: Annotated[int, Query(ge=1, le=10000)] = 100,
                  cursor: Optional[str] = None, min_count: MinCount = 1, max_count: MaxCount = None,
-                 token: Annotated[Optional[str], Query(description="A token as the collection keys it: a vocabulary string ('##ing'; with string keys 'ing' names the same key), or a word of a word-unit collection")] = None):
+                 token: Annotated[Optional[str], Query(description=(
+                     "A token as the collection keys it: a vocabulary string ('##ing'; with "
+                     "string keys 'ing' names the same key), or a word of a word-unit "
+                     "collection"))] = None):
     page = await t.rt.read(reports.token_page(
         t.rt.reader, t.pair, t.layer, t.rt.registry.tokenizer(t.pair.model), order_by, desc, limit,
         cursor, reports.CountFilter(min_count, max_count), token))
