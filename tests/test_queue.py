@@ -89,3 +89,14 @@ def test_an_idempotency_key_may_not_outlive_its_jobs_record():
     with pytest.raises(ValidationError, match="must not exceed retention_seconds"):
         Settings(idempotency_ttl_seconds=7200, retention_seconds=3600)
     assert Settings(idempotency_ttl_seconds=3600, retention_seconds=3600).retention_seconds == 3600
+
+
+def test_a_backlog_found_by_a_rescan_is_drained_without_waiting_for_the_next(redis_server):
+    """Jobs queued before a worker listened (no notification reaches it) are all taken
+    one after the other, not one per rescan (every half lease)."""
+    r = redis_client(redis_server.url)
+    q = JobQueue(r)
+    ids = [q.submit(JobRequest("backlog", "minilm", [f"t{i}"]), ["minilm"])[0] for i in range(3)]
+    worker = JobQueue(r)
+    taken = [worker.take("w", ["minilm"], lease_seconds=600, block_ms=0) for _ in range(3)]
+    assert [d.job_id for d in taken if d is not None] == ids

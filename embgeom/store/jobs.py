@@ -334,6 +334,9 @@ class JobQueue:
             if rescan:
                 self._next_rescan = now + max(0.5, lease_seconds / 2)
                 streams = self._rescan(models)
+                # Streams with entries stay polled until found empty, as if notified: a
+                # backlog queued before this worker listened is not left to the next rescan.
+                self._hot.update(streams)
             else:
                 streams = sorted(self._hot)
         if streams and only is None:
