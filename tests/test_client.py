@@ -109,8 +109,9 @@ def test_429_is_retried_after_retry_after_with_the_same_request():
     assert len({r.content for r in seen}) == 1
     assert {r.headers["Idempotency-Key"] for r in seen} == {"k1"}
     assert {r.headers["Authorization"] for r in seen} == {"Bearer secret"}
-    assert json.loads(seen[0].content) == {"collection": "c", "model": "minilm", "texts": ["a text"],
-                                           "include_special": False}
+    # include_special left out: the collection's settings decide (a paper-preset
+    # collection would refuse an explicit false with 409)
+    assert json.loads(seen[0].content) == {"collection": "c", "model": "minilm", "texts": ["a text"]}
 
 
 def test_429_without_retry_after_backs_off_exponentially_then_gives_up():
