@@ -7,8 +7,9 @@ pool on the hot read paths.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
-from typing import Annotated, Optional
+from typing import Annotated, Callable, TypeVar
 
 from fastapi import Depends, Path, Request
 
@@ -28,6 +29,23 @@ async def get_runtime(request: Request) -> Runtime:
 
 
 RuntimeDep = Annotated[Runtime, Depends(get_runtime)]
+
+T = TypeVar("T")
+_APP_STATE_LOCK = threading.Lock()
+
+
+def app_object(request: Request, name: str, make: Callable[[Runtime], T]) -> T:
+    """``request.app.state.<name>``, made once per app from its runtime on first use
+    (a cache, a worker pool: created lazily, shared by every request of the process)."""
+    state = request.app.state
+    obj = getattr(state, name, None)
+    if obj is None:
+        with _APP_STATE_LOCK:
+            obj = getattr(state, name, None)
+            if obj is None:
+                obj = make(state.runtime)
+                setattr(state, name, obj)
+    return obj
 
 
 async def require_api_key(request: Request) -> None:

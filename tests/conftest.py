@@ -5,6 +5,7 @@ Nothing here touches the shared Redis on 127.0.0.1:6379: every test starts what 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -63,6 +64,23 @@ class WorkerThread:
     def __exit__(self, *exc):
         self.worker.request_stop(grace_seconds=5)
         self.thread.join(timeout=60)
+
+
+@contextlib.contextmanager
+def app_with_worker(tmp_path_factory) -> Iterator:
+    """A TestClient of the app on a fresh redis-server, with an in-process worker."""
+    from fastapi.testclient import TestClient
+
+    from service.app import create_app
+
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    settings = test_settings(server.url)
+    try:
+        with TestClient(create_app(settings), raise_server_exceptions=False) as c, \
+                WorkerThread(settings):
+            yield c
+    finally:
+        server.kill()
 
 
 class ServiceProcess:

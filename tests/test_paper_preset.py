@@ -41,15 +41,11 @@ import time
 
 import pytest
 import torch
-from fastapi.testclient import TestClient
 
 from embgeom.corpora import bbc_texts
 from embgeom.sources import minilm_path
-from embgeom.store.server import RedisServer
-from service.app import create_app
 from tests import paper_reference as P
-from tests.conftest import WorkerThread, wait_for_jobs
-from tests.conftest import test_settings as settings_for
+from tests.conftest import app_with_worker, wait_for_jobs
 
 pytestmark = pytest.mark.slow
 
@@ -79,14 +75,8 @@ def sentences():
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
-    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
-    settings = settings_for(server.url)
-    try:
-        with TestClient(create_app(settings), raise_server_exceptions=False) as c, \
-                WorkerThread(settings):
-            yield c
-    finally:
-        server.kill()
+    with app_with_worker(tmp_path_factory) as c:
+        yield c
 
 
 class Worst:

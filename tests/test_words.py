@@ -34,7 +34,6 @@ import time
 import numpy as np
 import pytest
 import torch
-from fastapi.testclient import TestClient
 from redis.crc import key_slot
 
 from embgeom.compute.engine import pool_words
@@ -47,11 +46,8 @@ from embgeom.store.checkpoints import Checkpointer, new_checkpoint_id
 from embgeom.store.collections import Collections
 from embgeom.store.connection import redis_client
 from embgeom.store.reader import Reader, run_sync
-from embgeom.store.server import RedisServer
-from service.app import create_app
 from tests import paper_reference as P
-from tests.conftest import WorkerThread, wait_for_jobs
-from tests.conftest import test_settings as settings_for
+from tests.conftest import app_with_worker, wait_for_jobs
 from tests.test_store import held_jobs, make_conf, points_window
 
 MODEL = "minilm"
@@ -181,14 +177,8 @@ def texts(model_and_tokenizer):
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
-    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
-    settings = settings_for(server.url)
-    try:
-        with TestClient(create_app(settings), raise_server_exceptions=False) as c, \
-                WorkerThread(settings):
-            yield c
-    finally:
-        server.kill()
+    with app_with_worker(tmp_path_factory) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ pages ``X-Embgeom-Cache: hit|miss``.
 
 from __future__ import annotations
 
-import threading
 from typing import Annotated, Optional
 
 from fastapi import APIRouter, Query, Request
@@ -21,7 +20,7 @@ from embgeom import exports, reports
 from embgeom.renders import (
     MEDIA_TYPES, RenderCache, check_format, figure_params, render_figure, render_report,
 )
-from service.deps import LayerTargetDep, ModelDep, PairDep, RuntimeDep, _check_layer
+from service.deps import LayerTargetDep, ModelDep, PairDep, RuntimeDep, _check_layer, app_object
 from service.schemas import ErrorBody
 
 router = APIRouter(prefix="/v1/collections/{collection}/models/{model}", tags=["figures"],
@@ -31,20 +30,10 @@ MinCount = Annotated[int, Query(ge=1, description="Keep token types with n_t >= 
 MaxCount = Annotated[Optional[int], Query(ge=1, description="Keep token types with n_t <= max_count")]
 ImageFormat = Annotated[str, Query(description="png | svg")]
 
-_cache_lock = threading.Lock()
-
-
 def _cache(request: Request) -> RenderCache:
     """The app's render cache (one per API process), made on first use."""
-    state = request.app.state
-    cache = getattr(state, "render_cache", None)
-    if cache is None:
-        with _cache_lock:
-            cache = getattr(state, "render_cache", None)
-            if cache is None:
-                mb = request.app.state.runtime.settings.render_cache_mb
-                cache = state.render_cache = RenderCache(mb << 20)
-    return cache
+    return app_object(request, "render_cache",
+                      lambda rt: RenderCache(rt.settings.render_cache_mb << 20))
 
 
 def _headers(rendered) -> dict:

@@ -17,7 +17,6 @@ headline numbers they show (``X-Embgeom-Pearson``, ...).
 from __future__ import annotations
 
 import json
-import threading
 from typing import Annotated, Literal, Optional
 
 from fastapi import APIRouter, Path, Query, Request
@@ -28,7 +27,7 @@ from embgeom import geometry_figures
 from embgeom.errors import NotFound
 from embgeom.renders import MEDIA_TYPES, check_format
 from embgeom.spaces import FIGURE_PAIRS, INPUT, Geometry, GeometryCache, Limits, RenderedFigure, Space
-from service.deps import LayerTargetDep
+from service.deps import LayerTargetDep, app_object
 from service.encoding import FastJSON
 from service.geometry_schemas import (
     GlobalRequest, GlobalSimilarity, IntrinsicDimension, LLERequest, LLEResult, Neighbors,
@@ -44,25 +43,17 @@ router = APIRouter(prefix="/v1", tags=["geometry"],
 LAYER_PATH = "/collections/{collection}/models/{model}/layers/{layer}"
 # Token pairs a global-similarity figure may plot.
 MAX_FIGURE_PAIRS = 200_000
-_LOCK = threading.Lock()
 
 
 def geometry_of(request: Request) -> Geometry:
     """The app's :class:`Geometry`, made on first use from its runtime and settings."""
-    state = request.app.state
-    g = getattr(state, "geometry", None)
-    if g is None:
-        with _LOCK:
-            g = getattr(state, "geometry", None)
-            if g is None:
-                rt = state.runtime
-                s = rt.settings
-                g = Geometry(rt.reader, rt.read_sync, rt.registry,
-                             lambda name: rt.sync_pool.get(name), Limits.from_settings(s),
-                             GeometryCache(s.geometry_cache_entries, s.geometry_cache_mb << 20),
-                             s.geometry_max_concurrent)
-                state.geometry = g
-    return g
+    def make(rt) -> Geometry:
+        s = rt.settings
+        return Geometry(rt.reader, rt.read_sync, rt.registry,
+                        lambda name: rt.sync_pool.get(name), Limits.from_settings(s),
+                        GeometryCache(s.geometry_cache_entries, s.geometry_cache_mb << 20),
+                        s.geometry_max_concurrent)
+    return app_object(request, "geometry", make)
 
 
 MinCount = Annotated[int, Query(ge=1, description="Token types with n_t >= min_count")]
