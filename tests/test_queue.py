@@ -100,3 +100,33 @@ def test_a_backlog_found_by_a_rescan_is_drained_without_waiting_for_the_next(red
     worker = JobQueue(r)
     taken = [worker.take("w", ["minilm"], lease_seconds=600, block_ms=0) for _ in range(3)]
     assert [d.job_id for d in taken if d is not None] == ids
+
+
+def test_a_rescan_racing_submissions_never_drops_a_queued_stream_from_the_directory(redis_server):
+    """A rescan retires streams it finds empty; a submission to a new pair makes its stream
+    (empty), lists it, then adds its entry. A rescan reading the length in between must not
+    leave a stream with a job unlisted: only a notification would then find it, and a
+    worker starting meanwhile skips notifications older than its first read (the job
+    would wait for the next submission to its pair). Hundreds of racing rounds: after
+    them, every stream holding a job is listed."""
+    import threading
+
+    r = redis_client(redis_server.url)
+    submitter, rescanner = JobQueue(r), JobQueue(redis_client(redis_server.url))
+    done = threading.Event()
+
+    def rescan_until_done():
+        while not done.is_set():
+            rescanner._rescan(["minilm"])
+
+    thread = threading.Thread(target=rescan_until_done)
+    thread.start()
+    try:
+        for i in range(400):
+            submitter.submit(JobRequest(f"race{i}", "minilm", ["x"]), ["minilm"])
+    finally:
+        done.set()
+        thread.join()
+    listed = {m.decode() for m in r.smembers(K.streams("minilm"))}
+    unlisted = [i for i in range(400) if f"race{i}:minilm" not in listed]
+    assert not unlisted, f"{len(unlisted)} queued streams left the directory, e.g. race{unlisted[0]}"

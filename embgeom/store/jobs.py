@@ -202,8 +202,12 @@ class JobQueue:
                 except redis.WatchError:
                     continue
         # Again after: a DELETE of the collection whose SREM ran between our first SADD
-        # and our MULTI (our job is in the new generation) must not leave it unlisted.
-        self.r.sadd(K.PAIRS, pair.pair)
+        # and our MULTI (our job is in the new generation) must not leave it unlisted, nor
+        # a worker's rescan that found the stream still empty (see :meth:`_rescan`).
+        with self.r.pipeline(transaction=False) as p:
+            p.sadd(K.PAIRS, pair.pair)
+            p.sadd(K.streams(request.model), pair.pair)
+            p.execute()
         self.notify(pair)
         return job_id, True
 
@@ -375,25 +379,36 @@ class JobQueue:
 
     def _rescan(self, models: Sequence[str]) -> list[str]:
         """Every stream of the directory; the empty ones leave it (XLEN 0: nothing queued,
-        nothing pending). A submission that races this re-adds its pair, and its
-        notification and its first delivery name the pair again (see :meth:`_deliver`)."""
-        pairs = {m: self.r.smembers(K.streams(m)) for m in models}
-        streams = []
-        with self.r.pipeline(transaction=False) as p:
-            flat = [(m, raw) for m, members in pairs.items() for raw in members]
-            for _, raw in flat:
-                p.xlen(K.PairKeys(*K.split_pair(raw.decode())).jobs)
-            lengths = p.execute() if flat else []
-        empty = [(m, raw) for (m, raw), n in zip(flat, lengths) if n == 0]
-        if empty:
+        nothing pending).
+
+        Neither step is atomic with a submission (the stream and the directory are in
+        different slots), so a removed stream's length is read again after its SREM and
+        it is put back if an entry came meanwhile; a submission lists its pair again after
+        its entry is written. Either the re-read sees the entry or the submission's second
+        SADD comes after the SREM: a stream holding a job never stays unlisted."""
+        def lengths_of(flat):
             with self.r.pipeline(transaction=False) as p:
-                for m, raw in empty:
-                    p.srem(K.streams(m), raw)
+                for _, raw in flat:
+                    p.xlen(K.PairKeys(*K.split_pair(raw.decode())).jobs)
+                return p.execute() if flat else []
+
+        def in_pipeline(command, flat):
+            with self.r.pipeline(transaction=False) as p:
+                for m, raw in flat:
+                    getattr(p, command)(K.streams(m), raw)
                 p.execute()
-        for (m, raw), n in zip(flat, lengths):
-            if n:
-                streams.append(K.PairKeys(*K.split_pair(raw.decode())).jobs)
-        return sorted(set(streams))
+
+        flat = [(m, raw) for m in models for raw in self.r.smembers(K.streams(m))]
+        lengths = lengths_of(flat)
+        queued = [item for item, n in zip(flat, lengths) if n]
+        empty = [item for item, n in zip(flat, lengths) if n == 0]
+        if empty:
+            in_pipeline("srem", empty)
+            refilled = [item for item, n in zip(empty, lengths_of(empty)) if n]
+            if refilled:
+                in_pipeline("sadd", refilled)
+                queued += refilled
+        return sorted({K.PairKeys(*K.split_pair(raw.decode())).jobs for _, raw in queued})
 
     def own_pending(self, worker_id: str, models: Sequence[str]) -> Optional[Delivery]:
         """A job this worker id was given before and has not finished (after a reconnect)."""
