@@ -71,23 +71,49 @@ def _env() -> dict:
 
 
 class Slowest:
-    """The slowest command Redis logged, over every server the benchmark started."""
+    """The slowest commands Redis logged (SLOWLOG), and the longest other stall of its main
+    thread (LATENCY: AOF writes, fsyncs, rewrites, forks), over every server the benchmark
+    started.
+
+    A script is named by its keys: Redis cuts each logged argument to 128 characters,
+    which leaves only the scripts' common ``TIME`` preamble of the body."""
+
+    KEEP = 5
 
     def __init__(self):
         self.ms, self.command = 0.0, None
+        self.top: list[tuple[float, str]] = []
+        self.over_50ms = 0
+        self.stall_ms, self.stall = 0.0, None
 
     def watch(self, client) -> None:
         client.config_set("slowlog-log-slower-than", SLOW_US)
         client.config_set("slowlog-max-len", 1024)
+        client.config_set("latency-monitor-threshold", 10)
         client.slowlog_reset()
+        client.execute_command("LATENCY", "RESET")
+
+    @staticmethod
+    def describe(command) -> str:
+        text = command.decode(errors="replace") if isinstance(command, bytes) else str(command)
+        # EVAL <body cut to 128 characters "... (N more bytes)"> <numkeys> <key>...
+        m = re.match(r"(EVAL|EVALSHA) .*? more bytes\) (\d+) (.*)", text, re.S | re.I)
+        if m:
+            return f"{m.group(1)} keys " + " ".join(m.group(3).split(" ")[:int(m.group(2))])[:160]
+        return text.split("\n")[0][:120]
 
     def collect(self, client, where: str) -> None:
         for entry in client.slowlog_get(1024):
             ms = entry["duration"] / 1000
+            self.over_50ms += ms > 50
+            self.top.append((ms, f"{where}: {self.describe(entry['command'])}"))
             if ms > self.ms:
-                cmd = entry["command"][:60].decode(errors="replace") if isinstance(entry["command"], bytes) \
-                    else str(entry["command"])[:60]
-                self.ms, self.command = ms, f"{where}: {cmd.split(chr(10))[0]}"
+                self.ms, self.command = ms, self.top[-1][1]
+        self.top = sorted(self.top, reverse=True)[:self.KEEP]
+        for event, _, _, max_ms in client.execute_command("LATENCY", "LATEST"):
+            event = event.decode() if isinstance(event, bytes) else str(event)
+            if event != "command" and max_ms > self.stall_ms:
+                self.stall_ms, self.stall = float(max_ms), f"{where}: {event}"
 
 
 @contextlib.contextmanager
@@ -519,6 +545,10 @@ def main(argv=None) -> int:
         res["workers_one_collection"] = bench_workers(slowest, args.quick)
     res.setdefault("reads", {})["redis_slowest_command_ms"] = slowest.ms
     res["reads"]["redis_slowest_command"] = slowest.command
+    res["reads"]["redis_commands_over_50ms"] = slowest.over_50ms
+    res["reads"]["redis_longest_other_stall_ms"] = slowest.stall_ms
+    res["reads"]["redis_longest_other_stall"] = slowest.stall
+    res["redis_slowest_commands"] = [{"ms": ms, "command": c} for ms, c in slowest.top]
     res["wall_s"] = round(time.perf_counter() - t0, 1)
     print(table(res))
     path = Path(os.environ.get("BENCH_JSON", REPO / "bench.json"))

