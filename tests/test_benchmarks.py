@@ -155,3 +155,38 @@ def test_gpu_texts_cycle_bbc_beyond_its_size():
     texts = run.e2e_texts(50_000, held_out=False, cycle=True)
     assert len(texts) == 50_000 and texts[0] in texts[1:] and all(30 <= len(t) <= 200 for t in texts[:100])
     assert len(run.e2e_texts(100)) == 100  # the make-bench default is unchanged
+
+
+def test_slowest_names_a_scripts_keys_from_a_real_slowlog(redis_server):
+    """Redis logs an EVAL with its body cut to 128 characters: the figure must still say
+    which script it was, by its keys."""
+    from embgeom.store.connection import redis_client
+
+    client = redis_client(redis_server.url)
+    slowest = run.Slowest()
+    slowest.watch(client)
+    # A script over 128 characters that keeps Redis busy for 15 ms (by Redis's own clock).
+    body = ("\n-- a body long enough to be cut in the slow log" * 4 + "\n"
+            "local t0 = redis.call('TIME')\n"
+            "repeat local t = redis.call('TIME') until (t[1] - t0[1]) * 1e6 + (t[2] - t0[2]) > 15000\n"
+            "return 1\n")
+    client.eval(body, 2, "eg:{p}:s3:lock", "eg:{p}:s3:rec", "an-argument")
+    client.get("eg:fast")
+    slowest.collect(client, "here")
+    assert slowest.ms >= 15
+    assert slowest.command == "here: EVAL keys eg:{p}:s3:lock eg:{p}:s3:rec"
+    assert slowest.over_50ms == 0
+
+
+def test_stage_seconds_sum_the_workers_gauges_of_a_metrics_text():
+    from prometheus_client import CollectorRegistry, Gauge, generate_latest
+
+    from benchmarks.e2e_stages import stage_seconds
+
+    registry = CollectorRegistry()
+    gauge = Gauge("embgeom_worker_stage_seconds", "per stage", ["worker", "stage"], registry=registry)
+    gauge.labels("w1", "forward_reduce").set(2.5)
+    gauge.labels("w2", "forward_reduce").set(1.25)
+    gauge.labels("w1", "shards.write").set(0.5)
+    Gauge("embgeom_jobs_pending", "other", registry=registry).set(7)
+    assert stage_seconds(generate_latest(registry).decode()) == {"forward_reduce": 3.75, "shards.write": 0.5}
