@@ -340,7 +340,11 @@ def wrk(url: str, paths: list[str], seconds: int, connections: int = 32) -> dict
                       "end\n")
     out = subprocess.run(["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "--latency",
                           "-s", str(script), url], capture_output=True, text=True, check=True).stdout
+    return parse_wrk(out)
 
+
+def parse_wrk(out: str) -> dict:
+    """p50/p99 ms, req/s and non-2xx responses from ``wrk --latency`` output."""
     def ms(label):
         m = re.search(rf"^\s*{label}%\s+([\d.]+)(us|ms|s)\s*$", out, re.M)
         value, unit = float(m.group(1)), m.group(2)

@@ -53,13 +53,7 @@ def test_wrk_output_is_parsed():
   Non-2xx or 3xx responses: 3
 Requests/sec:    200.00
 """
-    import re
-
-    def ms(label):
-        m = re.search(rf"^\s*{label}%\s+([\d.]+)(us|ms|s)\s*$", sample, re.M)
-        return float(m.group(1)) * {"us": 1e-3, "ms": 1.0, "s": 1e3}[m.group(2)]
-
-    assert ms("50") == 2.5 and abs(ms("99") - 0.812) < 1e-12
+    assert run.parse_wrk(sample) == {"p50_ms": 2.5, "p99_ms": 0.812, "req_s": 200.0, "non_2xx": 3}
 
 
 def test_table_marks_targets_met_and_missed():
