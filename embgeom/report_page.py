@@ -268,8 +268,9 @@ def build_report(title: str, summary: Mapping[str, Any], layer_rows: Sequence[Ma
 
     nav = ['<nav><ul class="links">',
            '<li><a href="#layer-table-section">per-layer statistics</a></li>',
-           '<li><a href="#isotropy-table-section">isotropy</a></li>']
-    nav += [f'<li><a href="#{_e(name)}">{_e(name)}</a></li>' for name, _ in fig_items]
+           '<li><a href="#isotropy-table-section">isotropy per layer</a></li>']
+    # "figure:" keeps the isotropy figure's entry apart from the isotropy table's.
+    nav += [f'<li><a href="#{_e(name)}">figure: {_e(name)}</a></li>' for name, _ in fig_items]
     nav.append("</ul></nav>")
 
     body = [

@@ -157,6 +157,14 @@ def test_report_page_renders_in_chromium_and_its_numbers_equal_the_json(embedded
     version, updated_at = (v["value"] for v in values if v["field"] == "as_of")
     assert exact(version, layers["as_of"]["version"]) and exact(updated_at, layers["as_of"]["updated_at"])
 
+    # The table of contents: one entry per section or figure, each leading somewhere.
+    toc = browser.execute_script(
+        "return Array.from(document.querySelectorAll('nav a')).map(a => "
+        "[a.textContent, !!document.getElementById(a.getAttribute('href').slice(1))]);")
+    labels = [label for label, _ in toc]
+    assert len(labels) == len(set(labels)) == 2 + len(figures.FIGURES), labels
+    assert all(found for _, found in toc), toc
+
     # The links to the JSON endpoints answer.
     hrefs = browser.execute_script(
         "return Array.from(document.querySelectorAll('#links-section ~ ul a')).map(a => a.href);")
