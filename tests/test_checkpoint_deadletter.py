@@ -25,7 +25,7 @@ import pytest
 import redis
 from fastapi.testclient import TestClient
 
-from embgeom.errors import CheckpointRefused, StoreUnavailable
+from embgeom.errors import CheckpointRefused, EmbgeomError, StoreUnavailable
 from embgeom.stats import WindowMoments
 from embgeom.store import keys as K
 from embgeom.store.checkpoints import Checkpointer, Held, checkpoint_health, new_checkpoint_id
@@ -138,6 +138,26 @@ def test_refused_checkpoint_is_dead_lettered_then_retried_exactly(r):
         assert q.status(j.job_id)["status"] == "done"
     JobQueue(r).ack_many(pair.jobs, record["entries"])
     assert r.xlen(pair.jobs) == 0
+
+
+def test_a_piece_refused_half_way_writes_nothing_so_the_next_try_merges_it_once(r):
+    """A shard whose ``scal`` key holds the wrong type used to fail inside the piece's
+    script after its records were merged and before its applied-marker was set: the next
+    try read the merged records and merged the piece again (its tokens counted twice)."""
+    pair, conf, keys, x, window, jobs = a_window(r, "half", 7, 200)
+    planted = pair.parts(0).shard(int(shard_of(window.tokens.ids, conf.shards)[0])).scal
+    r.set(planted, "not a hash")
+    owner = Checkpointer(r, "owner", lease_ms=1)
+    cp = new_checkpoint_id()
+    assert owner.seal(pair, 0, cp, jobs, pair.jobs, 3).status == "sealed"
+    with pytest.raises(EmbgeomError):
+        owner.apply_and_complete(pair, conf, cp, window, jobs, 3)
+    r.delete(planted)  # the cause removed; the next try (an adopter) finishes it
+    time.sleep(0.01)
+    adopter = Checkpointer(r, "adopter")
+    record = adopter.adopt(pair, cp)
+    assert adopter.apply_and_complete(pair, conf, cp, window, held_of(record), 3).status == "completed"
+    assert_matches(r, pair, reference(keys, x))
 
 
 def test_exhausted_checkpoint_of_a_dead_owner_is_dead_lettered_on_adoption(r):
