@@ -17,6 +17,7 @@ worker serves the next pair's job with exact counts.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import Counter
 
@@ -203,6 +204,28 @@ def test_out_of_memory_gives_up_then_an_adopter_completes_exactly(r):
     assert record["status"] == "adopted"
     assert adopter.apply_and_complete(pair, conf, cp, window, held_of(record), 3).status == "completed"
     assert_matches(r, pair, reference(keys, x))
+
+
+def test_a_sealed_job_delivered_past_its_limit_ends(redis_server, r):
+    """Sealed jobs skipped the attempt limit: a job whose checkpoint never completes (its
+    owner keeps the lease) came back forever. Past the bound derived from the settings
+    the delivery dead-letters the checkpoint: the job ends failed, with the reason."""
+    from embgeom.worker import Worker
+
+    pair, conf, keys, x, window, jobs = a_window(r, "owner-alive", 8, 50)
+    cp = new_checkpoint_id()
+    assert Checkpointer(r, "owner", lease_ms=600_000).seal(pair, 0, cp, jobs, pair.jobs, 3).status == "sealed"
+    worker = Worker(redis.Redis.from_url(redis_server.url), test_settings(redis_server.url),
+                    worker_id="w")
+    d = worker.queue.own_pending("w", [pair.model])  # the job comes back (a redelivery)
+    assert d is not None and d.checkpoint == cp
+    assert worker.adopt(d) == "duplicate"  # its owner is alive: not adopted, not ended
+    assert worker.queue.status(d.job_id)["status"] == "running"
+    limit = worker._sealed_delivery_limit()
+    assert worker.adopt(dataclasses.replace(d, attempts=limit + 1)) == "dead"
+    st = worker.queue.status(d.job_id)
+    assert st["status"] == "failed" and f"delivered {limit + 1} times" in st["error"], st
+    assert r.zcard(pair.inflight) == 0 and r.zcard(pair.deadletter) == 1
 
 
 def _wait(predicate, timeout: float, what: str):
