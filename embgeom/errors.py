@@ -11,7 +11,7 @@ from typing import Any
 __all__ = [
     "EmbgeomError", "InvalidInput", "UnknownModel", "ModelLoadError", "NotFound",
     "Overloaded", "StoreUnavailable", "JobFenced", "GenerationDeleted", "CheckTooOld",
-    "Conflict",
+    "Conflict", "CheckpointRefused",
 ]
 
 
@@ -81,6 +81,14 @@ class CheckTooOld(EmbgeomError):
     """A checkpoint write came too long after its in-flight check (a paused worker)."""
 
     type = "checkpoint_check_expired"
+
+
+class CheckpointRefused(EmbgeomError):
+    """Redis refused a checkpoint's command for a reason a retry does not remove by itself
+    (a script error, WRONGTYPE, out of memory under ``noeviction``): the checkpoint is
+    given up rather than retried blindly (see :mod:`embgeom.store.checkpoints`)."""
+
+    type = "checkpoint_refused"
 
 
 class Conflict(EmbgeomError):

@@ -125,6 +125,15 @@ class Settings(BaseSettings):
                                   "it (a redelivered piece is recognised for that long); a "
                                   "piece whose in-flight check is older than half of this is "
                                   "refused before it writes")
+    checkpoint_apply_seconds: float = Field(
+        300.0, gt=0, description="How long a worker retries a checkpoint that meets transient "
+                                 "errors (lost connection, timeouts, LOADING/BUSY) before it "
+                                 "gives it up to another worker; a refusal that a retry would "
+                                 "meet again (script error, WRONGTYPE, OOM) gives it up at once")
+    checkpoint_apply_attempts: int = Field(
+        3, ge=1, description="Workers that may try one checkpoint (its seal and each adoption) "
+                             "before it is dead-lettered: its jobs fail with the reason, it "
+                             "leaves the checkpoints in flight, and it can be retried")
     shards: int = Field(32, ge=1, le=4096, description="Token shards of a new (collection, model) pair")
     chunk_bytes: int = Field(2 << 20, ge=1 << 16, description="Largest co-moment chunk value")
     # 2 MiB: applying one costs Redis 2 to 7 ms alone, mostly under 30 ms (SLOWLOG) with

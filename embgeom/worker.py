@@ -146,7 +146,7 @@ class Worker:
         self._lost: set[str] = set()                  # held jobs another delivery took over
         self._current: Optional[Delivery] = None
         self._progress: Optional[tuple[float, int]] = None
-        self._sealed: dict[str, K.PairKeys] = {}      # checkpoints being applied -> pair
+        self._sealed: dict[str, tuple] = {}  # checkpoints being applied -> (pair, renew until)
         self._ready: queue_mod.Queue = queue_mod.Queue(maxsize=max(1, settings.prefetch_jobs))
         self._affinity: Optional[str] = None          # the stream whose window is open
         self._feeder_idle = threading.Event()
@@ -546,26 +546,45 @@ class Worker:
             try:
                 self._apply_sealed(*args)
             except Exception:
-                # The checkpoint stays sealed; its jobs are no longer refreshed, so once
-                # their lease expires another delivery adopts and finishes it.
-                log.exception("worker %s: checkpoint %s could not be applied", self.id, args[2])
+                # _apply_sealed gives a checkpoint up itself; this is a failure of the
+                # bookkeeping after it (the ack): its jobs' entries come back, find their
+                # jobs done, and are acknowledged then.
+                log.exception("worker %s: checkpoint %s could not be acknowledged", self.id, args[2])
             finally:
                 self._applier_idle.set()
 
+    # Errors after which the same checkpoint is tried again on this worker (with backoff,
+    # up to checkpoint_apply_seconds): the store may come back. Anything else (a
+    # CheckpointRefused, a CheckTooOld, a bug) gives it up at once: a retry meets it again.
+    TRANSIENT = (redis.ConnectionError, redis.TimeoutError, StoreUnavailable)
+
     def _apply_sealed(self, pair, conf, cp, moments, held, stream, piece_tokens, deliveries) -> str:
-        """Drive a sealed checkpoint to completion (it can no longer be handed back)."""
+        """Drive a sealed checkpoint to completion (it can no longer be handed back), or
+        give it up with a reason (returns "abandoned" or "dead"): transient errors are
+        retried with backoff for ``checkpoint_apply_seconds``, others not at all."""
+        s = self.settings
+        deadline = time.monotonic() + s.checkpoint_apply_seconds
         with self._lock:
-            self._sealed[cp] = pair
+            # The heartbeat renews the lease until a little after the deadline, never
+            # longer: a stuck applier must not keep the checkpoint from an adopter.
+            self._sealed[cp] = (pair, deadline + s.lease_seconds)
         try:
-            delay = 0.2
+            delay, retries = 0.2, 0
             while True:
                 try:
                     out = self.checkpointer.apply_and_complete(pair, conf, cp, moments, held, piece_tokens)
                     break
-                except (redis.ConnectionError, redis.TimeoutError, StoreUnavailable) as exc:
+                except self.TRANSIENT as exc:
+                    if time.monotonic() + delay >= deadline:
+                        return self._give_up(pair, conf, cp, exc, retries)
                     log.warning("checkpoint %s interrupted (%s); resuming", cp, exc)
+                    retries += 1
                     time.sleep(delay)
                     delay = min(5.0, delay * 2)
+                except Exception as exc:
+                    return self._give_up(pair, conf, cp, exc, retries)
+            if retries:
+                self.checkpointer.count(retries=retries)
             self._last_apply_seconds = sum(out.seconds.values())
             for stage, seconds in out.seconds.items():
                 self.clock.add(stage, seconds)
@@ -592,32 +611,94 @@ class Worker:
             for d in deliveries:
                 self._release(d)
 
+    def _give_up(self, pair, conf, cp, exc: BaseException, retries: int = 0) -> str:
+        """Stop working on a sealed checkpoint: no more lease renewals; its failure (and
+        lease) recorded so the next delivery of a job adopts it, or, its tries spent, it
+        is dead-lettered. Its jobs are released (not refreshed): they come back after
+        their lease. Returns "abandoned" or "dead"."""
+        with self._lock:
+            self._sealed.pop(cp, None)
+        reason = exc.message if isinstance(exc, EmbgeomError) else f"{type(exc).__name__}: {exc}"
+        log.error("worker %s gives checkpoint %s of %s up after %d retries: %s", self.id, cp,
+                  pair.pair, retries, reason, exc_info=not isinstance(exc, (EmbgeomError, redis.RedisError)))
+        try:
+            if retries:
+                self.checkpointer.count(retries=retries)
+            status = self.checkpointer.give_up(pair, conf, cp, reason, self.settings.checkpoint_apply_attempts)
+        except redis.RedisError as again:
+            # Not even that could be written: the lease runs out by itself (no renewal).
+            log.warning("could not record giving checkpoint %s up (%s)", cp, again)
+            return "abandoned"
+        return "dead" if status == "dead" else "abandoned"
+
+    def _sealed_delivery_limit(self) -> int:
+        """Deliveries of a sealed job after which its checkpoint is dead-lettered even
+        though no try failed (a safety net: an owner holds its lease at most
+        checkpoint_apply_seconds + one lease per try, and each held lease costs at most
+        one more delivery per lease)."""
+        s = self.settings
+        per_try = math.ceil((s.checkpoint_apply_seconds + s.lease_seconds) / s.lease_seconds) + 1
+        return s.max_attempts + s.checkpoint_apply_attempts * per_try
+
+    def _not_adopted(self, d: Delivery, record: Optional[dict]) -> str:
+        """A sealed job's delivery that does not adopt: the checkpoint completed (ack),
+        its owner is alive (it will ack), or it is to be dead-lettered: its tries are
+        spent, or its jobs came back too often (:meth:`_sealed_delivery_limit`)."""
+        status = self.queue.status(d.job_id)["status"]
+        dead = record is not None or (status not in ("done", "failed")
+                                      and d.attempts > self._sealed_delivery_limit())
+        if dead:
+            conf = self.collections.conf(d.pair, record["gen"] if record else d.gen)
+            error = (self.r.hget(d.pair.checkpoint(d.checkpoint), "error") or b"").decode()
+            why = (f"its jobs were delivered {d.attempts} times without it completing"
+                   if record is None else (error or "its workers stopped while applying it"))
+            self.checkpointer.dead_letter(d.pair, conf, d.checkpoint, why)
+            status = self.queue.status(d.job_id)["status"]
+        if status in ("done", "failed"):
+            self.queue.ack(d.stream, d.entry_id)
+        self._release(d)
+        return "dead" if dead else "duplicate"
+
     def adopt(self, d: Delivery) -> str:
         """A delivered job already sealed into a checkpoint: take the checkpoint over,
-        recompute its jobs, apply what is missing, complete it."""
-        record = self.checkpointer.adopt(d.pair, d.checkpoint)
-        if record is None:
-            # Completed by now (acknowledge), or its owner is alive (it will acknowledge).
-            status = self.queue.status(d.job_id)["status"]
-            if status in ("done", "failed"):
-                self.queue.ack(d.stream, d.entry_id)
+        recompute its jobs, apply what is missing, complete it. A checkpoint whose tries
+        are spent is dead-lettered instead."""
+        try:
+            record = self.checkpointer.adopt(d.pair, d.checkpoint, self.settings.checkpoint_apply_attempts)
+            if record is None or record["status"] == "exhausted":
+                return self._not_adopted(d, record)
+        except redis.RedisError as exc:
+            # Refused (out of memory...) or Redis is gone: not ours; its lease runs out
+            # and it is delivered again.
             self._release(d)
-            return "duplicate"
+            if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
+                raise
+            log.error("worker %s could not adopt checkpoint %s: %s", self.id, d.checkpoint, exc)
+            return "deferred"
         log.info("adopting checkpoint %s of %s (%d jobs)", d.checkpoint, d.pair.pair, len(record["jobs"]))
-        self.queue.claim(record["stream"], self.id, record["entries"])
-        conf = self.pair_conf(d.pair, record["gen"])
-        engine = self.engine(conf, d.pair.model)
-        acc = self._accumulator(conf, engine)
-        payloads = [self.r.get(d.pair.payload(j)) for j in record["jobs"]]
-        held, names = [], {}
-        for job_id, entry, epoch, payload in zip(record["jobs"], record["entries"],
-                                                 record["epochs"], payloads):
-            job = engine.prepare(json.loads(payload))
-            for batch in job.batches:
-                acc.add(*engine.run(batch, acc.layers))
-            held.append(Held(job_id, entry, epoch, job.counted))
-            names.update(job.names)
-        tokens, layers = acc.export()
+        try:
+            self.queue.claim(record["stream"], self.id, record["entries"])
+            conf = self.pair_conf(d.pair, record["gen"])
+            engine = self.engine(conf, d.pair.model)
+            acc = self._accumulator(conf, engine)
+            payloads = [self.r.get(d.pair.payload(j)) for j in record["jobs"]]
+            held, names = [], {}
+            for job_id, entry, epoch, payload in zip(record["jobs"], record["entries"],
+                                                     record["epochs"], payloads):
+                job = engine.prepare(json.loads(payload))
+                for batch in job.batches:
+                    acc.add(*engine.run(batch, acc.layers))
+                held.append(Held(job_id, entry, epoch, job.counted))
+                names.update(job.names)
+            tokens, layers = acc.export()
+        except (redis.ConnectionError, redis.TimeoutError):
+            self._release(d)  # the lease runs out; the next delivery adopts it again
+            raise
+        except Exception as exc:
+            # It cannot even be recomputed here (a missing payload, a model that fails):
+            # this try counts; the next delivery adopts it again, or dead-letters it.
+            self._release(d)
+            return self._give_up(d.pair, self.collections.conf(d.pair, record["gen"]), d.checkpoint, exc)
         moments = WindowMoments(tokens, layers, {h.job_id: h.tokens for h in held}, names)
         return self._apply_sealed(d.pair, conf, d.checkpoint, moments, held, record["stream"],
                                   record["piece_tokens"], [d])
@@ -650,8 +731,9 @@ class Worker:
                             self._lost.add(d.job_id)
                 if current is not None and progress is not None and current.job_id not in self._lost:
                     self.queue.progress(current, *progress)
-                for cp, pair in sealed:
-                    self.checkpointer.renew(pair, cp)
+                for cp, (pair, until) in sealed:
+                    if time.monotonic() < until:
+                        self.checkpointer.renew(pair, cp)
             except redis.RedisError as exc:
                 log.debug("heartbeat failed: %s", exc)
             if self._beat_stop.wait(period):

@@ -1,4 +1,6 @@
-"""Prometheus metrics: request counts and latencies per route, queue depth, live workers."""
+"""Prometheus metrics: request counts and latencies per route, queue depth, live workers,
+and the checkpoints: retries, give-ups, dead letters (fleet-wide counters kept in Redis),
+and per pair those in flight, the age of the oldest and those dead-lettered."""
 
 from __future__ import annotations
 
@@ -6,6 +8,34 @@ import time
 
 from fastapi import APIRouter, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
+
+from embgeom.store.checkpoints import checkpoint_health
+
+# Fleet-wide checkpoint counters (eg:stats:checkpoints, counted by the workers) -> help.
+CHECKPOINT_COUNTERS = {
+    "retries": "Times a worker retried a checkpoint after a transient store error",
+    "abandoned": "Checkpoints a worker gave up (retries spent or refused by Redis), "
+                 "left to another worker's adoption",
+    "dead_lettered": "Checkpoints dead-lettered: their tries spent, their jobs failed "
+                     "with the reason",
+    "adopted": "Checkpoints taken over from a silent or failed owner",
+    "retried_dead": "Dead-lettered checkpoints put back in flight",
+}
+
+
+class _StoredCounters:
+    """Counters whose values live in Redis (every worker adds to them): exposed as
+    Prometheus counters with the values read at the last scrape."""
+
+    def __init__(self):
+        self.values: dict[str, int] = {}
+
+    def collect(self):
+        for name, help_text in CHECKPOINT_COUNTERS.items():
+            family = CounterMetricFamily(f"embgeom_checkpoint_{name}", help_text)
+            family.add_metric([], self.values.get(name, 0))
+            yield family
 
 
 router = APIRouter(tags=["health"])
@@ -26,6 +56,16 @@ class Metrics:
                             ["worker", "stage"], registry=self.registry)
         self.checkpoints = Gauge("embgeom_worker_checkpoints", "Checkpoints a live worker completed",
                                  ["worker"], registry=self.registry)
+        self.stored = _StoredCounters()
+        self.registry.register(self.stored)
+        self.in_flight = Gauge("embgeom_checkpoints_in_flight", "Checkpoints sealed and not yet "
+                               "completed, per pair (readers' 'applying')", ["pair"],
+                               registry=self.registry)
+        self.oldest = Gauge("embgeom_checkpoint_oldest_sealed_seconds", "Age of the oldest "
+                            "checkpoint in flight, per pair", ["pair"], registry=self.registry)
+        self.dead = Gauge("embgeom_checkpoints_dead_letter", "Dead-lettered checkpoints kept for a "
+                          "retry, per pair (pieces they applied stay counted: see the jobs' error)",
+                          ["pair"], registry=self.registry)
 
 
 class _Measure:
@@ -79,4 +119,14 @@ def metrics_endpoint(request: Request) -> Response:
         m.checkpoints.labels(w["id"]).set(w.get("checkpoints", 0))
         for stage, seconds in w.get("stage_seconds", {}).items():
             m.stages.labels(w["id"], stage).set(seconds)
+    health = checkpoint_health(rt.redis)
+    m.stored.values = health["counters"]
+    now_ms = time.time() * 1000
+    for gauge in (m.in_flight, m.oldest, m.dead):
+        gauge.clear()
+    for pair, h in health["pairs"].items():
+        m.in_flight.labels(pair).set(h["in_flight"])
+        m.dead.labels(pair).set(h["dead"])
+        if h["oldest_sealed_ms"] is not None:
+            m.oldest.labels(pair).set(max(0.0, (now_ms - h["oldest_sealed_ms"]) / 1000))
     return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)

@@ -147,3 +147,31 @@ def test_redis_sigkill_mid_checkpoint_resumes(tmp_path, reference, registry):
             print(f"max |error| / Q_t against the one-text-at-a-time reference: {worst:.2e}")
     finally:
         server.kill()
+
+
+def test_redis_down_past_the_retry_deadline_gives_up_then_completes_once(tmp_path, reference, registry):
+    """Redis gone for longer than EMBGEOM_CHECKPOINT_APPLY_SECONDS: the owner stops
+    retrying (and renewing) instead of holding the checkpoint forever; once Redis is back
+    from its AOF the checkpoint is adopted (here by the same worker, reading its own
+    entries back) and completed: every count exact, nothing twice."""
+    data, port = tmp_path / "redis", free_port()
+    server = RedisServer(data, port=port).start(timeout=120)
+    env = {**FAULT_ENV, "EMBGEOM_CHECKPOINT_APPLY_SECONDS": "2"}
+    try:
+        with fleet(server.url, tmp_path, env) as fl, api(server.url) as client:
+            rdb = redis.Redis.from_url(server.url)
+            fl.start()
+            ids = [post_job(client, texts, "outage") for texts in JOBS]
+            at = mid_checkpoint(rdb, "outage")
+            server.kill()
+            time.sleep(8.0)  # past the 2 s of retries (backoff 0.2, 0.4, 0.8, 1.6 s)
+            server = RedisServer(data, port=port).start(timeout=120)
+            final = wait_for_jobs(client, ids, timeout=600)
+            assert all(s["status"] == "done" for s in final), (final, fl.logs())
+            logs = (tmp_path / "worker-w1.log").read_text(errors="replace")  # whole, not a tail
+            assert f"gives checkpoint {at['cp']}" in logs and f"adopting checkpoint {at['cp']}" in logs, logs
+            worst = check(client, redis.Redis.from_url(server.url), "outage", reference,
+                          registry.tokenizer(MODEL))
+            print(f"\ngiven up during the outage, adopted after: max |error| / Q_t {worst:.2e}")
+    finally:
+        server.kill()

@@ -13,11 +13,25 @@ job of a worker's window::
                checkpoint leaves ``inflight`` -- once, whoever gets there first
     ack        XACK + XDEL of every job's stream entry
 
-A sealed checkpoint is never abandoned. If its worker dies, the next delivery of any of
-its jobs finds the job tagged and *adopts* the whole checkpoint (:meth:`Checkpointer.adopt`
-bumps every job's epoch, fencing the old owner): the adopter recomputes the same jobs and
-applies only the pieces and segments not applied yet, then completes. A delivery that
-finds its job done acknowledges it and counts nothing.
+If its worker dies, the next delivery of any of its jobs finds the job tagged and *adopts*
+the whole checkpoint (:meth:`Checkpointer.adopt` bumps every job's epoch, fencing the old
+owner): the adopter recomputes the same jobs and applies only the pieces and segments not
+applied yet, then completes. A delivery that finds its job done acknowledges it and counts
+nothing.
+
+A checkpoint that cannot finish ends, with a reason. Its owner retries transient errors
+(lost connection, timeouts, LOADING/BUSY replies) for a bounded time and gives up at once
+on a refusal that a retry would meet again (:class:`~embgeom.errors.CheckpointRefused`:
+a script error, WRONGTYPE, OOM; a :class:`~embgeom.errors.CheckTooOld`). Giving up
+(:meth:`Checkpointer.give_up`) records the error and releases the lease, so another worker
+adopts it; every run counts a *try* (the seal is the first). Once its tries are spent it
+is *dead-lettered* (:meth:`Checkpointer.dead_letter`): it leaves ``inflight`` (readers'
+``applying`` goes back down) for the pair's ``deadletter`` set, its jobs fail with an error
+that says how much of it was applied, their entries are acknowledged. Pieces applied
+before it stopped stay in the counts (they are not rolled back: an un-merge would cancel
+catastrophically, see DESIGN.md); the record, the payloads and the applied markers are
+kept, so :meth:`Checkpointer.retry_dead` resumes it: its jobs are queued again, adopted,
+and only the missing pieces are applied (idempotent per checkpoint, as for any adopter).
 
 Markers (which pieces a shard holds, which segments a part folded) outlive completion by
 ``horizon_ms`` and are then pruned (:meth:`Checkpointer.prune`); a write is refused when
@@ -38,15 +52,18 @@ import redis
 
 from embgeom.errors import EmbgeomError, GenerationDeleted
 from embgeom.stats import WindowMoments
+from embgeom.store import keys as K
 from embgeom.store.conf import PairConf, shard_of
 from embgeom.store.keys import PairKeys
 from embgeom.store.layers import LayerWriter, layer_parts
-from embgeom.store.scripts import ADOPT, CHECK, COMPLETE, NOW, RENEW, SEAL
-from embgeom.store.shards import ApplyStats, ShardWriter
+from embgeom.store.scripts import (ADOPT, CHECK, COMPLETE, DEAD_LETTER, GIVE_UP, NOW, RENEW,
+                                   REVIVE, SEAL)
+from embgeom.store.shards import ApplyStats, ShardWriter, refusal
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Held", "SealResult", "CommitResult", "CheckpointGone", "Checkpointer", "new_checkpoint_id"]
+__all__ = ["Held", "SealResult", "CommitResult", "CheckpointGone", "Checkpointer", "new_checkpoint_id",
+           "checkpoint_health"]
 
 
 class CheckpointGone(EmbgeomError):
@@ -86,6 +103,27 @@ def new_checkpoint_id() -> str:
     return f"{int(time.time() * 1000):013d}-{uuid.uuid4().hex[:16]}"
 
 
+def checkpoint_health(client: redis.Redis) -> dict:
+    """What ``/metrics`` shows of the checkpoints: the fleet-wide counters
+    (``eg:stats:checkpoints``) and, per pair with data or jobs, the checkpoints in flight,
+    the seal time (Redis ms) of the oldest one, and the dead-lettered ones. One pipeline."""
+    counters = {k.decode(): int(v) for k, v in client.hgetall(K.CHECKPOINT_STATS).items()}
+    pairs = sorted(p.decode() for p in client.smembers(K.PAIRS))
+    with client.pipeline(transaction=False) as p:
+        for name in pairs:
+            keys = PairKeys(*K.split_pair(name))
+            p.zrange(keys.inflight, 0, 0, withscores=True)
+            p.zcard(keys.inflight)
+            p.zcard(keys.deadletter)
+        replies = p.execute() if pairs else []
+    out = {}
+    for i, name in enumerate(pairs):
+        oldest, in_flight, dead = replies[3 * i:3 * i + 3]
+        out[name] = {"in_flight": int(in_flight), "dead": int(dead),
+                     "oldest_sealed_ms": int(oldest[0][1]) if oldest else None}
+    return {"counters": counters, "pairs": out}
+
+
 class Checkpointer:
     def __init__(self, client: redis.Redis, worker_id: str, piece_bytes: int = 2 << 20,
                  lock_ms: int = 30_000, horizon_ms: int = 3_600_000, lease_ms: int = 60_000,
@@ -123,21 +161,127 @@ class Checkpointer:
         out.update(gen=int(raw[b"gen"]), owner=raw[b"owner"].decode(), cp=cp)
         return out
 
-    def adopt(self, pair: PairKeys, cp: str) -> Optional[dict]:
-        """Take over a sealed checkpoint whose owner went silent: returns its record with
-        the jobs' new epochs, or None (completed, or its owner is alive)."""
+    def adopt(self, pair: PairKeys, cp: str, max_tries: int = 0) -> Optional[dict]:
+        """Take over a sealed checkpoint whose owner went silent (or gave it up): returns
+        its record with the jobs' new epochs (``status`` "adopted"), or None (completed,
+        dead-lettered, or its owner is alive). With ``max_tries``, a checkpoint already
+        tried that often is not taken: its record comes back with ``status``
+        "exhausted", for the caller to dead-letter."""
         record = self.record(pair, cp)
         if record is None:
             return None
         out = ADOPT(self.r, [pair.checkpoint(cp)] + [pair.job(j) for j in record["jobs"]],
-                    [self.worker_id, self.lease_ms])
+                    [self.worker_id, self.lease_ms, max_tries])
+        if out[0] == -2:
+            record.update(status="exhausted", tries=int(out[1]))
+            return record
         if out[0] != 1:
             return None
-        record["epochs"] = [int(e) for e in out[1:]]
+        record.update(status="adopted", epochs=[int(e) for e in out[1:]])
+        self.count(adopted=1)
         return record
 
     def renew(self, pair: PairKeys, cp: str) -> bool:
         return RENEW(self.r, [pair.checkpoint(cp)], [self.worker_id, self.lease_ms]) == 1
+
+    # ------------------------------------------------------- giving up, dead letters
+    def give_up(self, pair: PairKeys, conf: Optional[PairConf], cp: str, error: str,
+                max_tries: int) -> str:
+        """The owner stops trying: records ``error``, releases the lease; dead-letters the
+        checkpoint once ``max_tries`` runs have failed. Returns "abandoned" (another
+        delivery adopts it), "dead", or "gone" (not ours, or no longer in flight)."""
+        ok, tries = GIVE_UP(self.r, [pair.checkpoint(cp), pair.inflight],
+                            [self.worker_id, cp, error])
+        if int(ok) != 1:
+            return "gone"
+        self.count(abandoned=1)
+        if int(tries) >= max_tries:
+            return "dead" if self.dead_letter(pair, conf, cp, error, int(tries)) else "gone"
+        return "abandoned"
+
+    def dead_letter(self, pair: PairKeys, conf: Optional[PairConf], cp: str, error: str,
+                    tries: Optional[int] = None) -> bool:
+        """Take a checkpoint out of flight for good (until :meth:`retry_dead`): its jobs
+        fail with ``error`` and what of it had been applied. False if it was not in flight."""
+        record = self.record(pair, cp)
+        if record is None:
+            return False
+        tries = tries if tries is not None else int(self.r.hget(pair.checkpoint(cp), "tries") or 1)
+        message = f"checkpoint {cp} given up after {tries} tries: {error}. "
+        try:
+            pieces, shards, heads = self.applied(pair, conf, cp) if conf is not None else (0, 0, 0)
+        except redis.RedisError:
+            pieces = shards = heads = -1
+        if pieces < 0:
+            message += "What of it was applied could not be read"
+        elif pieces == 0 and heads == 0:
+            message += "None of it was applied: these jobs count nothing"
+        else:
+            message += (f"{pieces} token pieces in {shards} shards and {heads} layer parts of it "
+                        "were applied before it stopped: those embeddings stay counted")
+        message += ("; retrying the checkpoint completes it (only what is missing is applied), "
+                    "deleting the collection discards it")
+        keys = [pair.inflight, pair.checkpoint(cp), pair.deadletter, record["stream"], pair.meta]
+        keys += [pair.job(j) for j in record["jobs"]]
+        done = DEAD_LETTER(self.r, keys, [cp, message, K.GROUP, *record["entries"]]) == 1
+        if done:
+            log.error("%s: %s", pair.pair, message)
+            self.count(dead_lettered=1)
+        return done
+
+    def applied(self, pair: PairKeys, conf: PairConf, cp: str) -> tuple[int, int, int]:
+        """``(pieces, shards, layer parts)`` of the stores holding part of checkpoint ``cp``
+        (its applied markers and segments; one pipeline, across slots)."""
+        parts = pair.parts(conf.gen)
+        targets = layer_parts(parts, conf)
+        with self.r.pipeline(transaction=False) as p:
+            for s in range(conf.shards):
+                p.hget(parts.shard(s).applied, cp)
+            for *_, keys in targets:
+                p.hexists(keys.seg, cp)
+                p.hexists(keys.folded, cp)
+            replies = p.execute()
+        marks = [m for m in replies[:conf.shards] if m]
+        flags = replies[conf.shards:]
+        heads = sum(bool(a or b) for a, b in zip(flags[0::2], flags[1::2]))
+        return sum(len(m.split(b",")) for m in marks), len(marks), heads
+
+    def retry_dead(self, pair: PairKeys, cp: str) -> str:
+        """Put a dead-lettered checkpoint back in flight (after its cause was fixed): its
+        jobs are queued again and their next delivery adopts and completes it. Returns
+        "queued", "not_dead" or "deleted" (its collection was deleted since)."""
+        record = self.record(pair, cp)
+        if record is None:
+            return "not_dead"
+        keys = [pair.inflight, pair.checkpoint(cp), pair.deadletter, record["stream"], pair.gen]
+        keys += [pair.job(j) for j in record["jobs"]]
+        out = int(REVIVE(self.r, keys, [cp, pair.pair]))
+        if out == 1:
+            self.count(retried_dead=1)
+        return {1: "queued", 0: "not_dead", -1: "deleted"}[out]
+
+    def dead_letters(self, pair: PairKeys) -> list[dict]:
+        """The pair's dead-lettered checkpoints: id, time (ms), jobs, error."""
+        out = []
+        for raw, at in self.r.zrange(pair.deadletter, 0, -1, withscores=True):
+            cp = raw.decode()
+            record = self.record(pair, cp)
+            if record is not None:
+                error = self.r.hget(pair.checkpoint(cp), "error")
+                out.append({"cp": cp, "at_ms": int(at), "jobs": record["jobs"],
+                            "error": (error or b"").decode()})
+        return out
+
+    def count(self, **fields: int) -> None:
+        """Fleet-wide counters in ``eg:stats:checkpoints`` (best effort: a counter must
+        not fail the step it counts)."""
+        try:
+            with self.r.pipeline(transaction=False) as p:
+                for name, n in fields.items():
+                    p.hincrby(K.CHECKPOINT_STATS, name, n)
+                p.execute()
+        except redis.RedisError as exc:
+            log.debug("could not count %s: %s", fields, exc)
 
     # ---------------------------------------------------------------- commit
     def _check(self, pair: PairKeys, cp: str) -> int:
@@ -167,12 +311,21 @@ class Checkpointer:
             # the completion voids the jobs.
             status, _ = self.complete(pair, conf, cp, jobs, [])
             return CommitResult(status if status != "completed" else "void")
+        except redis.ResponseError as exc:  # transient (LOADING, BUSY...) or refused for good
+            raise refusal(exc) from exc
         touched = sorted(set(shard_of(window.tokens.ids, conf.shards).tolist()))
-        status, version = self.complete(pair, conf, cp, jobs, touched)
+        try:
+            status, version = self.complete(pair, conf, cp, jobs, touched)
+        except redis.ResponseError as exc:
+            raise refusal(exc, "the checkpoint's completion") from exc
         t3 = time.perf_counter()
         result.status, result.version = status, version
         if status == "completed" and due:
-            result.folded = self.layers.fold(conf, due)
+            try:
+                result.folded = self.layers.fold(conf, due)
+            except redis.ResponseError as exc:
+                # Compaction only: the checkpoint is complete; a later one folds again.
+                log.warning("checkpoint %s: folding layer segments was refused: %s", cp, exc)
         result.seconds = {"shards": t1 - t0, "layers": t2 - t1, "complete": t3 - t2,
                           "fold": time.perf_counter() - t3}
         return result

@@ -447,6 +447,9 @@ class JobQueue:
                       "the collection was deleted while the job was queued")
             return None
         checkpoint = (checkpoint or b"").decode() or None
+        # A job sealed into a checkpoint is not failed alone (its checkpoint holds other
+        # jobs, maybe partly applied): the checkpoint's tries bound it, and the worker
+        # dead-letters it whole (Worker.adopt, Checkpointer.dead_letter).
         if checkpoint is None and attempts > self.max_attempts:
             last = (error or b"").decode() or "the worker stopped while running it"
             self.fail(pair, job_id, stream, entry_id,

@@ -11,6 +11,7 @@ on that slot::
     eg:{c:m}:inflight      zset   checkpoints sealed and not yet completed -> seal time (ms)
     eg:{c:m}:cp:<id>       hash   a sealed checkpoint: its jobs, stream entries, owner, lease
     eg:{c:m}:done          zset   completed checkpoints awaiting marker pruning -> completion (ms)
+    eg:{c:m}:deadletter    zset   checkpoints given up (their cp hash kept, status "dead") -> time (ms)
     eg:{c:m}:job:<id>      hash   job status
     eg:{c:m}:payload:<id>  string the job's texts (JSON), deleted when its checkpoint completes
     eg:{c:m}:jobs          stream job ids waiting for a worker (consumer group ``workers``)
@@ -51,6 +52,8 @@ Global keys (small, one slot each; never in a transaction with a pair's keys)::
     eg:idem:<key>          string "c:m" an Idempotency-Key was first used with
     eg:workers             zset   worker id -> last heartbeat (unix seconds)
     eg:worker:<id>         string worker's last heartbeat details (JSON, with a TTL)
+    eg:stats:checkpoints   hash   fleet-wide counters: retries, abandoned, dead_lettered,
+                                  adopted, retried_dead (/metrics)
 
 The directory entries (``eg:pairs``, ``eg:streams:<model>``, ``eg:jobref:<id>``,
 ``eg:idem:<key>``) are written by separate idempotent commands *before* the pair-slot
@@ -108,6 +111,11 @@ class PairKeys:
     @property
     def done(self) -> str:
         return self._k("done")
+
+    @property
+    def deadletter(self) -> str:
+        """Checkpoints given up: kept, with their jobs' payloads, until retried."""
+        return self._k("deadletter")
 
     def job(self, job_id: str) -> str:
         return self._k(f"job:{job_id}")
@@ -171,6 +179,7 @@ def collection_settings(collection: str) -> str:
 
 PAIRS = "eg:pairs"
 WORKERS = "eg:workers"
+CHECKPOINT_STATS = "eg:stats:checkpoints"
 
 
 def split_pair(pair: str) -> tuple[str, str]:

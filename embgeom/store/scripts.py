@@ -14,8 +14,9 @@ import hashlib
 
 import redis
 
-__all__ = ["Script", "CLAIM_KEY", "CHECK", "NOW", "SEAL", "COMPLETE", "ADOPT", "RENEW", "APPLY_PIECE", "PUT_SEGMENT", "FOLD",
-           "KILL_PART", "PROGRESS", "REFRESH"]
+__all__ = ["Script", "CLAIM_KEY", "CHECK", "NOW", "SEAL", "COMPLETE", "ADOPT", "RENEW", "GIVE_UP",
+           "DEAD_LETTER", "REVIVE", "APPLY_PIECE", "PUT_SEGMENT", "FOLD", "KILL_PART", "PROGRESS",
+           "REFRESH"]
 
 _NOW = """
 local _t = redis.call('TIME')
@@ -84,7 +85,7 @@ for i = 4, #KEYS do
   end
 end
 redis.call('HSET', KEYS[3], 'record', ARGV[3], 'owner', ARGV[4],
-           'lease_until', now + tonumber(ARGV[5]), 'sealed_at', now, 'gen', ARGV[2])
+           'lease_until', now + tonumber(ARGV[5]), 'sealed_at', now, 'gen', ARGV[2], 'tries', 1)
 for i = 4, #KEYS do redis.call('HSET', KEYS[i], 'checkpoint', ARGV[1]) end
 redis.call('ZADD', KEYS[2], now, ARGV[1])
 return {1, now}
@@ -98,6 +99,8 @@ return {1, now}
 # -> {1, version} | {0, 0} (completed before) | {-1, 0} (void)
 COMPLETE = Script("""
 if redis.call('EXISTS', KEYS[3]) == 0 then return {0, 0} end
+-- a dead-lettered checkpoint (kept, out of inflight) is not completed by a late writer
+if not redis.call('ZSCORE', KEYS[2], ARGV[1]) then return {0, 0} end
 local m = (#KEYS - 5) / 2
 local cpgen = redis.call('HGET', KEYS[3], 'gen')
 local at = string.format('%.3f', now / 1000)
@@ -127,16 +130,23 @@ redis.call('ZADD', KEYS[5], now, ARGV[2])
 return {1, v}
 """)
 
-# Adopt a sealed checkpoint whose owner went silent: bump the epoch of each of its jobs
-# (fencing the old owner's job-level writes) and take its lease.
-# KEYS: cp, job... ARGV: owner, lease_ms -> {1, epoch...} | {0} (gone) | {-1} (owner alive)
+# Adopt a sealed checkpoint whose owner went silent (or gave it up): bump the epoch of each
+# of its jobs (fencing the old owner's job-level writes), take its lease, count the try.
+# KEYS: cp, job... ARGV: owner, lease_ms, max_tries (0: no limit)
+# -> {1, epoch...} | {0} (gone, or dead-lettered) | {-1} (owner alive) | {-2, tries} (its
+# tries are spent: the caller dead-letters it)
 ADOPT = Script("""
-if redis.call('EXISTS', KEYS[1]) == 0 then return {0} end
+if redis.call('EXISTS', KEYS[1]) == 0 or redis.call('HGET', KEYS[1], 'status') == 'dead' then
+  return {0}
+end
 local owner = redis.call('HGET', KEYS[1], 'owner')
 if tonumber(redis.call('HGET', KEYS[1], 'lease_until') or '0') > now and owner ~= ARGV[1] then
   return {-1}
 end
-redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'lease_until', now + tonumber(ARGV[2]))
+local tries = tonumber(redis.call('HGET', KEYS[1], 'tries') or '1')
+if tonumber(ARGV[3] or '0') > 0 and tries >= tonumber(ARGV[3]) then return {-2, tries} end
+redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'lease_until', now + tonumber(ARGV[2]),
+           'tries', tries + 1)
 local out = {1}
 for i = 2, #KEYS do
   out[#out + 1] = redis.call('HINCRBY', KEYS[i], 'epoch', 1)
@@ -152,17 +162,86 @@ redis.call('HSET', KEYS[1], 'lease_until', now + tonumber(ARGV[2]))
 return 1
 """)
 
+# The owner gives its checkpoint up (its retries are spent, or Redis refused it): the
+# failure is recorded and the lease released, so the next delivery of a job adopts it.
+# KEYS: cp, inflight. ARGV: owner, cp, error -> {1, tries} | {0, 0} (not ours / not in flight)
+GIVE_UP = Script("""
+if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] or not redis.call('ZSCORE', KEYS[2], ARGV[2]) then
+  return {0, 0}
+end
+redis.call('HINCRBY', KEYS[1], 'failures', 1)
+redis.call('HSET', KEYS[1], 'error', ARGV[3], 'lease_until', 0)
+return {1, tonumber(redis.call('HGET', KEYS[1], 'tries') or '1')}
+""")
+
+# Dead-letter a checkpoint in flight: it leaves ``inflight`` for ``deadletter`` (its hash
+# kept, status "dead"), its jobs fail with the error (epoch bumped: every delivery of them
+# is fenced), their stream entries are acknowledged. Payloads and markers are kept: a
+# REVIVE resumes it. The pair's version moves: pieces it applied may have changed the data
+# (read caches keyed by version must not serve what they held before).
+# KEYS: inflight, cp, deadletter, stream, meta, job x m.
+# ARGV: cp, error, group, entry x m -> 1 | 0 (not in flight)
+DEAD_LETTER = Script("""
+if not redis.call('ZSCORE', KEYS[1], ARGV[1]) then return 0 end
+local at = string.format('%.3f', now / 1000)
+redis.call('HSET', KEYS[2], 'status', 'dead', 'error', ARGV[2], 'dead_at', now, 'lease_until', 0)
+redis.call('ZREM', KEYS[1], ARGV[1])
+redis.call('ZADD', KEYS[3], now, ARGV[1])
+redis.call('HINCRBY', KEYS[5], 'version', 1)
+redis.call('HSET', KEYS[5], 'updated_at', at)
+for i = 6, #KEYS do
+  redis.call('HINCRBY', KEYS[i], 'epoch', 1)
+  redis.call('HSET', KEYS[i], 'status', 'failed', 'error', ARGV[2], 'finished_at', at)
+end
+for i = 4, #ARGV do
+  redis.call('XACK', KEYS[4], ARGV[3], ARGV[i])
+  redis.call('XDEL', KEYS[4], ARGV[i])
+end
+return 1
+""")
+
+# Put a dead-lettered checkpoint back in flight: its jobs are queued again (new stream
+# entries, recorded in the checkpoint), their next delivery adopts it and applies only the
+# pieces still missing. KEYS: inflight, cp, deadletter, stream, gen, job x m. ARGV: cp, pair
+# -> 1 | 0 (not dead) | -1 (its collection was deleted since)
+REVIVE = Script("""
+if redis.call('HGET', KEYS[2], 'status') ~= 'dead' then return 0 end
+if (redis.call('GET', KEYS[5]) or '0') ~= redis.call('HGET', KEYS[2], 'gen') then return -1 end
+local rec = cjson.decode(redis.call('HGET', KEYS[2], 'record'))
+local entries = {}
+for i = 6, #KEYS do
+  entries[#entries + 1] = redis.call('XADD', KEYS[4], '*', 'job_id', rec['jobs'][i - 5],
+                                     'pair', ARGV[2])
+  redis.call('HSET', KEYS[i], 'status', 'queued', 'error', '', 'attempts', 0)
+  redis.call('HDEL', KEYS[i], 'finished_at')
+end
+rec['entries'] = entries
+redis.call('HSET', KEYS[2], 'record', cjson.encode(rec), 'tries', 0, 'lease_until', 0, 'error', '')
+redis.call('HDEL', KEYS[2], 'status', 'dead_at')
+redis.call('ZREM', KEYS[3], ARGV[1])
+redis.call('ZADD', KEYS[1], now, ARGV[1])
+return 1
+""")
+
 # Apply one piece of a checkpoint to a token shard, once. The caller holds the shard's
 # lock (fencing token ARGV[1]) and checked, at ARGV[4], that the checkpoint is in flight.
 # KEYS: lock, applied, dead, rec, unit, scal, bkt, agg, name.
 # ARGV: fence, cp, piece, checked_ms, max_age_ms, unlock, n_rec, n_unit, n_scal, n_bkt,
 #       n_name, field/value pairs..., agg
 # -> 1 applied | 2 already there | 0 lock lost | -1 generation deleted | -2 check too old
+#    | -3 a key holds the wrong type (nothing written: a script error half-way would leave
+#    records merged without the piece's marker, merged again by the next try)
 APPLY_PIECE = Script("""
 local function release() if ARGV[6] == '1' then redis.call('DEL', KEYS[1]) end end
 if redis.call('EXISTS', KEYS[3]) == 1 then return -1 end
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
 if now - tonumber(ARGV[4]) > tonumber(ARGV[5]) then release() return -2 end
+for _, k in ipairs({2, 4, 5, 6, 7, 9}) do
+  local t = redis.call('TYPE', KEYS[k])['ok']
+  if t ~= 'hash' and t ~= 'none' then release() return -3 end
+end
+local t = redis.call('TYPE', KEYS[8])['ok']
+if t ~= 'string' and t ~= 'none' then release() return -3 end
 local have = redis.call('HGET', KEYS[2], ARGV[2])
 if have and string.find(',' .. have .. ',', ',' .. ARGV[3] .. ',', 1, true) then
   release()

@@ -34,7 +34,8 @@ from typing import Callable, Optional
 import numpy as np
 import redis
 
-from embgeom.errors import CheckTooOld, GenerationDeleted, StoreUnavailable
+from embgeom.errors import (CheckpointRefused, CheckTooOld, EmbgeomError, GenerationDeleted,
+                            StoreUnavailable)
 from embgeom.keyspace import is_word_key
 from embgeom.stats import BUCKET_EDGES, TokenMoments, bucket_index, chan_merge
 from embgeom.store import codec
@@ -42,9 +43,29 @@ from embgeom.store.conf import PairConf, shard_of
 from embgeom.store.keys import PartKeys
 from embgeom.store.scripts import APPLY_PIECE
 
-__all__ = ["ApplyStats", "ShardWriter", "pieces_of", "piece_tokens_for"]
+__all__ = ["ApplyStats", "ShardWriter", "pieces_of", "piece_tokens_for", "refusal"]
 
 NUM_BUCKETS = len(BUCKET_EDGES)
+
+# Error replies that mean "not now" rather than "never": the server is loading its data
+# or busy with a script, a cluster slot or a replica is failing over. Anything else
+# (a script error, WRONGTYPE, OOM under noeviction) comes back the same on a retry.
+TRANSIENT_REPLIES = frozenset({"LOADING", "BUSY", "TRYAGAIN", "CLUSTERDOWN", "MASTERDOWN",
+                               "READONLY", "NOREPLICAS"})
+
+
+def refusal(exc: redis.ResponseError, what: str = "a checkpoint command") -> EmbgeomError:
+    """An error reply of Redis as the library's error: :class:`StoreUnavailable` (retried
+    with backoff) when it is transient, else :class:`CheckpointRefused` (not retried
+    blindly). redis-py strips some codes into exception classes and prefixes a
+    pipeline's errors with the command, so both are looked at."""
+    text = str(exc.args[0]) if exc.args else str(exc)
+    code = text.rsplit("caused error: ", 1)[-1].split(" ", 1)[0]
+    transient = (code in TRANSIENT_REPLIES
+                 or isinstance(exc, (redis.exceptions.ReadOnlyError, redis.exceptions.BusyLoadingError))
+                 or type(exc).__name__ in ("TryAgainError", "ClusterDownError", "MasterDownError"))
+    cls = StoreUnavailable if transient else CheckpointRefused
+    return cls(f"{what} was refused by Redis: {text.rsplit('caused error: ', 1)[-1]}")
 
 
 @dataclass
@@ -287,7 +308,7 @@ class ShardWriter:
             try:
                 results = p.execute()
             except redis.ResponseError as exc:
-                raise StoreUnavailable(f"a checkpoint write was refused by Redis: {exc}") from exc
+                raise refusal(exc, "a checkpoint write") from exc
         finished, failed = set(), set()
         for (s, piece, last), res in zip(order, results):
             if res == -1:
@@ -302,6 +323,9 @@ class ShardWriter:
             stats.lost += 1
             if res == -2:
                 raise CheckTooOld(f"checkpoint {cp}: its in-flight check is too old")
+            if res == -3:
+                raise CheckpointRefused(f"checkpoint {cp}: a key of shard {s} holds the wrong type "
+                                        "of value (WRONGTYPE); nothing of that piece was written")
         # A shard with a failed piece is redone from a fresh read next round; the pieces it
         # did apply are marked and will be skipped.
         for s in list(writes):
