@@ -139,11 +139,11 @@ def layer_rows(reader: Reader, pair: PairKeys, layers: Optional[Sequence[int]],
         keep = count_filter.mask(scal.n)
         buckets = aligned_buckets(count_filter.min_count, count_filter.max_count)
         if buckets is not None:
-            sums = yield from reader.buckets(state, buckets)
+            sums = yield from reader.buckets(state, buckets, positions)
             n_k = scal.n[keep]
-            for layer, pos in zip(layers, positions):
+            for i, (layer, pos) in enumerate(zip(layers, positions)):
                 dec = decomposition_from_sums(
-                    float(n_k.sum()), sums["vector"][pos], float(scal.m2[keep, pos].sum()),
+                    float(n_k.sum()), sums["vector"][i], float(scal.m2[keep, pos].sum()),
                     float(n_k @ scal.M[keep, pos]), int(keep.sum()))
                 rows[layer] = {"layer": layer, **dec}
         else:

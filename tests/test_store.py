@@ -32,9 +32,9 @@ from embgeom.store.shards import ShardWriter, pieces_of
 L, D = 3, 5
 
 
-def points_window(rng, keys, offset=0.0):
-    """Raw points of one window: keys (m,) and x (m, L, D), plus its moments two-pass."""
-    x = offset + rng.standard_normal((len(keys), L, D)) + keys[:, None, None] % 7
+def points_window(rng, keys, offset=0.0, shape=(L, D)):
+    """Raw points of one window: keys (m,) and x (m, *shape), plus its moments two-pass."""
+    x = offset + rng.standard_normal((len(keys), *shape)) + keys[:, None, None] % 7
     ids = np.unique(keys)
     n = np.array([(keys == i).sum() for i in ids])
     mean = np.stack([x[keys == i].mean(0) for i in ids])

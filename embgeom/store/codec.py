@@ -26,7 +26,8 @@ F64 = np.dtype("<f8")
 
 __all__ = [
     "F64", "pack_rows", "unpack_rows", "rec_rows", "from_rec", "scal_rows", "head_segment",
-    "from_head", "chunk_segment", "from_chunk", "upper_index",
+    "from_head", "chunk_segment", "from_chunk", "upper_index", "rec_ranges", "unit_ranges",
+    "bkt_ranges",
 ]
 
 
@@ -61,6 +62,37 @@ def from_rec(rows: np.ndarray, L: int, d: int) -> tuple[np.ndarray, np.ndarray, 
     """n (k,), m2 (k, L), mean (k, L, d) from rec rows."""
     k = rows.shape[0]
     return rows[:, 0], rows[:, 1:1 + L], rows[:, 1 + L:].reshape(k, L, d)
+
+
+def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Byte ranges (start, length) with each one that starts where the previous one ends
+    joined to it (fewer cuts, same bytes in the same order)."""
+    out: list[tuple[int, int]] = []
+    for start, length in ranges:
+        if out and out[-1][0] + out[-1][1] == start:
+            out[-1] = (out[-1][0], out[-1][1] + length)
+        else:
+            out.append((start, length))
+    return out
+
+
+def rec_ranges(L: int, d: int, positions: Sequence[int]) -> list[tuple[int, int]]:
+    """Byte ranges of a rec row holding n, then m2 and the mean at the kept-layer
+    ``positions``: cut and concatenated they are a rec row of ``len(positions)`` layers
+    (decoded by :func:`from_rec` with ``L = len(positions)``)."""
+    return _merged([(0, 8)] + [(8 * (1 + p), 8) for p in positions]
+                   + [(8 * (1 + L + p * d), 8 * d) for p in positions])
+
+
+def unit_ranges(d: int, positions: Sequence[int]) -> list[tuple[int, int]]:
+    """Byte ranges of a unit row holding the unit sums (d,) at the kept-layer ``positions``."""
+    return _merged([(8 * p * d, 8 * d) for p in positions])
+
+
+def bkt_ranges(d: int, positions: Sequence[int]) -> list[tuple[int, int]]:
+    """Byte ranges of a bucket value holding types, count and the vector sums (d,) at the
+    kept-layer ``positions``: a bucket value of ``len(positions)`` layers."""
+    return _merged([(0, 16)] + [(16 + 8 * p * d, 8 * d) for p in positions])
 
 
 def scal_rows(n: np.ndarray, mean: np.ndarray, m2: np.ndarray) -> np.ndarray:

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Generator, Optional, Sequence
 
@@ -32,8 +34,9 @@ from embgeom.store import keys as K
 from embgeom.store.conf import PairConf, shard_of
 from embgeom.store.keys import PairKeys
 from embgeom.store.layers import comoment_from_chunks, merge_chunks, merge_head
+from embgeom.store.scripts import SCAN_SLICES, SLICES
 
-__all__ = ["Plan", "run_sync", "run_async", "PairState", "Scalars", "Reader"]
+__all__ = ["Plan", "run_sync", "run_async", "PairState", "Scalars", "BoundedCache", "Reader"]
 
 Plan = Generator[list, list, object]
 
@@ -113,6 +116,77 @@ class Scalars:
         return M, V, M + V
 
 
+class BoundedCache:
+    """A map of at most ``entries`` items, the least recently used dropped first.
+
+    One lock around every operation (and nothing else: no read or decoding holds it), so
+    the event loop and the thread pool can share it; a miss is a default, never a
+    ``KeyError``."""
+
+    _MISSING = object()
+
+    def __init__(self, entries: int):
+        if entries < 1:
+            raise ValueError("a cache holds at least one entry")
+        self.entries = entries
+        self._items: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._items)
+
+    def get(self, key, default=None):
+        with self._lock:
+            value = self._items.get(key, self._MISSING)
+            if value is self._MISSING:
+                return default
+            self._items.move_to_end(key)
+            return value
+
+    def put(self, key, value) -> None:
+        with self._lock:
+            self._items[key] = value
+            self._items.move_to_end(key)
+            while len(self._items) > self.entries:
+                self._items.popitem(last=False)
+
+    def discard(self, key) -> None:
+        with self._lock:
+            self._items.pop(key, None)
+
+
+# Sliced reads (see scripts.SLICES): what one script call may copy inside Redis (whole
+# records) and at most how many fields it names, so no call holds Redis for long.
+CALL_BYTES = 4 << 20
+CALL_FIELDS = 512
+
+
+def _fields_per_call(record_bytes: int) -> int:
+    return max(1, min(CALL_FIELDS, CALL_BYTES // max(1, record_bytes)))
+
+
+def _script_command(script, key: str, args: list) -> tuple:
+    """A plan command running ``script`` on one key (EVAL, routed by that key's slot)."""
+    return ("execute_command", "EVAL", script.source, 1, key, *args)
+
+
+def _range_args(ranges: Sequence[tuple[int, int]]) -> list:
+    return [len(ranges)] + [x for r in ranges for x in r]
+
+
+def _by_shard(keys: np.ndarray, shards: int, per_call: int) -> list[tuple[int, np.ndarray]]:
+    """Row indices of ``keys`` grouped by shard, in key order within a shard, cut into
+    groups of at most ``per_call``: ``[(shard, rows)]``."""
+    shard = shard_of(keys, shards)
+    order = np.lexsort((keys, shard))
+    out = []
+    for g in np.split(order, np.flatnonzero(np.diff(shard[order])) + 1):
+        if len(g):
+            out.extend((int(shard[g[0]]), g[i:i + per_call]) for i in range(0, len(g), per_call))
+    return out
+
+
 def _decode_hash(raw: dict, width: int) -> tuple[np.ndarray, np.ndarray]:
     if not raw:
         return np.zeros(0, dtype=np.int64), np.zeros((0, width))
@@ -125,11 +199,12 @@ class Reader:
     """Plans over a pair's parts, with small caches keyed by what cannot change (a
     generation's configuration) or by the version read (scalars of a settled pair)."""
 
-    def __init__(self, scalar_cache_entries: int = 8):
-        self._confs: dict[tuple[str, int], PairConf] = {}
-        self._latest: dict[str, tuple[int, PairConf]] = {}  # pair -> last generation read
-        self._scalars: dict[tuple[str, int, int], Scalars] = {}
-        self._scalar_cache_entries = scalar_cache_entries
+    def __init__(self, scalar_cache_entries: int = 8, conf_cache_entries: int = 1024):
+        # pair -> (generation, its configuration): the last generation read, so a DELETE
+        # replaces its pair's entry instead of adding one; LRU over pairs.
+        self._confs = BoundedCache(conf_cache_entries)
+        # pair -> ((generation, version), Scalars): one settled version per pair.
+        self._scalars = BoundedCache(scalar_cache_entries)
 
     # ---------------------------------------------------------------- the pair
     _HEAD = 4  # commands of the state read
@@ -148,7 +223,7 @@ class Reader:
         """:meth:`pair_state` and, in the same round trip, the commands ``then(gen, conf)``
         for the generation last seen: ``(state, their replies)``, or ``(state, None)``
         when that guess was wrong (a first read, a deletion since)."""
-        guess = self._latest.get(pair.pair)
+        guess = self._confs.get(pair.pair)
         extra = then(*guess) if guess else []
         replies = yield self._head(pair) + extra
         state = yield from self._state(pair, replies[:self._HEAD])
@@ -161,13 +236,16 @@ class Reader:
         if not listed:
             yield from self._not_found(pair)
         gen = int(gen_raw or 0)
-        conf = self._confs.get((pair.pair, gen))
+        cached = self._confs.get(pair.pair)
+        conf = cached[1] if cached is not None and cached[0] == gen else None
         if conf is None:
+            if cached is not None and cached[0] < gen:
+                self._scalars.discard(pair.pair)  # of a deleted generation
             (raw,) = yield [("get", pair.conf(gen))]
             if raw is not None:
-                conf = self._confs.setdefault((pair.pair, gen), PairConf.from_json(raw))
+                conf = PairConf.from_json(raw)
         if conf is not None:
-            self._latest[pair.pair] = (gen, conf)
+            self._confs.put(pair.pair, (gen, conf))
         updated = meta.get(b"updated_at")
         return PairState(pair, gen, conf, int(meta.get(b"version", 0)),
                          float(updated) if updated else None, int(applying))
@@ -216,9 +294,10 @@ class Reader:
         """Every token type's scalars (one HGETALL per shard; cached per version once
         no checkpoint is applying)."""
         conf = state.conf
-        cache_key = (state.pair.pair, state.gen, state.version)
-        if state.applying == 0 and cache_key in self._scalars:
-            return self._scalars[cache_key]
+        at = (state.gen, state.version)
+        cached = self._scalars.get(state.pair.pair)
+        if state.applying == 0 and cached is not None and cached[0] == at:
+            return cached[1]
         parts = state.pair.parts(state.gen)
         raws = yield [("hgetall", parts.shard(s).scal) for s in range(conf.shards)]
         width = 1 + 2 * conf.L
@@ -228,9 +307,7 @@ class Reader:
         ids, rows = ids[order], rows[order]
         out = Scalars(ids, rows[:, 0], rows[:, 1:1 + conf.L], rows[:, 1 + conf.L:])
         if state.applying == 0:
-            if len(self._scalars) >= self._scalar_cache_entries:
-                self._scalars.pop(next(iter(self._scalars)))
-            self._scalars[cache_key] = out
+            self._scalars.put(state.pair.pair, (at, out))
         return out
 
     @staticmethod
@@ -263,47 +340,74 @@ class Reader:
         return state, self._token_record(state.conf, replies)
 
     def units(self, state: PairState, keys: Sequence[int], position: int) -> Plan:
-        """Unit-vector sums (d,) at one kept layer of each of ``keys`` (None if absent)."""
+        """Unit-vector sums (d,) at one kept layer of each of ``keys`` (None if absent).
+        Only that layer's bytes leave Redis (see :meth:`_sliced`)."""
         conf = state.conf
         if not conf.self_similarity or len(keys) == 0:
             return [None] * len(keys)
+        present, rows = yield from self._sliced(state, "unit", keys, codec.unit_ranges(conf.d, [position]),
+                                                8 * conf.L * conf.d)
+        return [row if p else None for p, row in zip(present.tolist(), rows)]
+
+    @staticmethod
+    def _sliced(state: PairState, part: str, keys: Sequence[int], ranges: list[tuple[int, int]],
+                record_bytes: int, step_bytes: int = 32 << 20) -> Plan:
+        """The records of ``keys`` in the shards' ``part`` hash ("rec", "unit"), each cut
+        inside Redis to the byte ``ranges`` (:data:`embgeom.store.scripts.SLICES`):
+        ``(present (k,) bool, rows (k, width) float64)``, row i for ``keys[i]``, zeros
+        when absent. One script call per shard and group of keys (at most
+        :data:`CALL_BYTES` of whole records copied in Redis per call), calls pipelined in
+        steps of at most ``step_bytes`` of cut bytes."""
+        keys = np.asarray(keys, dtype=np.int64)
+        width = sum(length for _, length in ranges) // 8
+        present = np.zeros(keys.shape[0], dtype=bool)
+        rows = np.zeros((keys.shape[0], width))
+        if keys.shape[0] == 0:
+            return present, rows
         parts = state.pair.parts(state.gen)
-        shards = shard_of(keys, conf.shards)
-        replies = yield [("hget", parts.shard(int(s)).unit, str(int(k))) for k, s in zip(keys, shards)]
-        d = conf.d
-        return [None if r is None else np.frombuffer(r, dtype=codec.F64)[position * d:(position + 1) * d]
-                for r in replies]
+        args = _range_args(ranges)
+        per_call = _fields_per_call(record_bytes)
+        calls = _by_shard(keys, state.conf.shards, per_call)
+        per_step = max(1, step_bytes // (8 * width * per_call))
+        for i in range(0, len(calls), per_step):
+            step = calls[i:i + per_step]
+            replies = yield [_script_command(SLICES, getattr(parts.shard(s), part),
+                                             args + [str(int(x)) for x in keys[g]]) for s, g in step]
+            for (_, g), raws in zip(step, replies):
+                present[g], rows[g] = codec.unpack_rows(raws, width)
+        return present, rows
 
     def names(self, state: PairState, keys: Sequence[int]) -> Plan:
         """Stored names of hashed word keys (see :mod:`embgeom.store.keys`): dict key ->
-        str, one HMGET per shard; a key without a stored name is left out."""
+        str, one HMGET per shard (and group of keys); a key without a stored name is left out."""
         keys = np.asarray(keys, dtype=np.int64)
         if keys.shape[0] == 0:
             return {}
         parts = state.pair.parts(state.gen)
-        shards = shard_of(keys, state.conf.shards)
-        order = np.argsort(shards, kind="stable")
-        groups = np.split(order, np.flatnonzero(np.diff(shards[order])) + 1)
-        replies = yield [("hmget", parts.shard(int(shards[g[0]])).name,
-                          [str(int(k)) for k in keys[g]]) for g in groups]
+        calls = _by_shard(keys, state.conf.shards, CALL_FIELDS)
+        replies = yield [("hmget", parts.shard(s).name, [str(int(k)) for k in keys[g]]) for s, g in calls]
         return {int(k): raw.decode("utf-8", "surrogatepass")
-                for g, reply in zip(groups, replies) for k, raw in zip(keys[g], reply)
+                for (_, g), reply in zip(calls, replies) for k, raw in zip(keys[g], reply)
                 if raw is not None}
 
     # ----------------------------------------------------------------- buckets
-    def buckets(self, state: PairState, buckets: Sequence[int]) -> Plan:
-        """Summed bucket aggregates over all shards: types, count, vector (L, d)."""
+    def buckets(self, state: PairState, buckets: Sequence[int],
+                positions: Optional[Sequence[int]] = None) -> Plan:
+        """Summed bucket aggregates over all shards: types, count, vector (P, d) at the
+        kept-layer ``positions`` (all kept layers when None); only those layers' bytes
+        leave Redis."""
         conf = state.conf
         parts = state.pair.parts(state.gen)
-        fields = [str(int(b)) for b in buckets]
-        replies = yield [("hmget", parts.shard(s).bkt, fields) for s in range(conf.shards)]
-        total = np.zeros(2 + conf.L * conf.d)
+        pos = list(range(conf.L)) if positions is None else list(positions)
+        args = _range_args(codec.bkt_ranges(conf.d, pos)) + [str(int(b)) for b in buckets]
+        replies = yield [_script_command(SLICES, parts.shard(s).bkt, args) for s in range(conf.shards)]
+        total = np.zeros(2 + len(pos) * conf.d)
         for reply in replies:
             for raw in reply:
                 if raw is not None:
                     total += np.frombuffer(raw, dtype=codec.F64)
         return {"types": int(round(total[0])), "count": int(round(total[1])),
-                "vector": total[2:].reshape(conf.L, conf.d)}
+                "vector": total[2:].reshape(len(pos), conf.d)}
 
     # ------------------------------------------------------------- covariance
     def covariance(self, state: PairState, position: int) -> Plan:
@@ -330,25 +434,31 @@ class Reader:
         """A scan of every token's record: ids (k,), n (k,), m2 (k, P), mean (k, P, d) at
         the kept-layer ``positions``, for tokens with ``keep(n)`` True (all when None).
 
-        HSCAN pages of ``page`` records per shard, all shards in one pipeline per step."""
+        HSCAN pages of ``page`` records per shard, all shards in one pipeline per step;
+        each record cut inside Redis to n and the asked layers
+        (:data:`embgeom.store.scripts.SCAN_SLICES`)."""
         conf = state.conf
         parts = state.pair.parts(state.gen)
-        L, d = conf.L, conf.d
+        d = conf.d
         pos = list(positions)
+        ranges = codec.rec_ranges(conf.L, d, pos)
+        width = sum(length for _, length in ranges) // 8
+        args = _range_args(ranges)
         cursors = {s: 0 for s in range(conf.shards)}
         ids, ns, m2s, means = [], [], [], []
         while cursors:
             order = list(cursors)
-            replies = yield [("hscan", parts.shard(s).rec, cursors[s], None, page) for s in order]
-            for s, (cursor, fields) in zip(order, replies):
-                if fields:
-                    k_ids, rows = _decode_hash(fields, 1 + L + L * d)
-                    n, m2, mean = codec.from_rec(rows, L, d)
+            replies = yield [_script_command(SCAN_SLICES, parts.shard(s).rec, [cursors[s], page] + args)
+                             for s in order]
+            for s, (cursor, flat) in zip(order, replies):
+                if flat:
+                    k_ids, rows = _decode_hash(dict(zip(flat[0::2], flat[1::2])), width)
+                    n, m2, mean = codec.from_rec(rows, len(pos), d)
                     sel = np.ones(len(n), dtype=bool) if keep is None else keep(n)
                     ids.append(k_ids[sel])
                     ns.append(n[sel])
-                    m2s.append(m2[sel][:, pos])
-                    means.append(mean[sel][:, pos])
+                    m2s.append(m2[sel])
+                    means.append(mean[sel])
                 if int(cursor) == 0:
                     cursors.pop(s)
                 else:
@@ -370,32 +480,11 @@ class Reader:
         the kept-layer ``positions``, row i for ``keys[i]``; a key never seen has n = 0 and
         zeros. Unlike :meth:`means`, what it reads grows with ``len(keys)``, not with every
         token ever seen: a caller that selects (count filter, sample) from the scalars
-        first reads only what it uses.
-
-        HMGET per shard, in steps of at most ``step_bytes`` of records."""
+        first reads only what it uses; and only the asked layers' bytes leave Redis
+        (:meth:`_sliced`, in steps of at most ``step_bytes``)."""
         conf = state.conf
-        parts = state.pair.parts(state.gen)
-        L, d = conf.L, conf.d
         pos = list(positions)
-        keys = np.asarray(keys, dtype=np.int64)
-        k = keys.shape[0]
-        n = np.zeros(k)
-        m2 = np.zeros((k, len(pos)))
-        mean = np.zeros((k, len(pos), d))
-        width = 1 + L + L * d
-        per_step = max(1, step_bytes // (8 * width))
-        shards = shard_of(keys, conf.shards) if k else np.zeros(0, dtype=np.int64)
-        # Rows grouped by shard (one HMGET per shard and step), in key order within a shard.
-        order = np.lexsort((keys, shards))
-        for s0 in range(0, k, per_step):
-            rows = order[s0:s0 + per_step]
-            groups = np.split(rows, np.flatnonzero(np.diff(shards[rows])) + 1)
-            replies = yield [("hmget", parts.shard(int(shards[g[0]])).rec,
-                              [str(int(x)) for x in keys[g]]) for g in groups]
-            for g, raws in zip(groups, replies):
-                present, got = codec.unpack_rows(raws, width)
-                g_n, g_m2, g_mean = codec.from_rec(got, L, d)
-                n[g] = np.where(present, g_n, 0.0)
-                m2[g] = g_m2[:, pos]
-                mean[g] = g_mean[:, pos]
+        _, rows = yield from self._sliced(state, "rec", keys, codec.rec_ranges(conf.L, conf.d, pos),
+                                          8 * (1 + conf.L + conf.L * conf.d), step_bytes)
+        n, m2, mean = codec.from_rec(rows, len(pos), conf.d)
         return n, m2, mean

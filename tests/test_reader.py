@@ -1,0 +1,276 @@
+"""The reader reads only the layers a request uses, and its caches stay bounded and safe
+when the event loop and the thread pool share it.
+
+Records are written through the real store writer (checkpoints of synthetic windows) to a
+real redis-server; bytes moved are Redis's own count (``INFO stats``
+``total_net_output_bytes``), and values are compared with float64 references computed from
+the raw points.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from embgeom import reports
+from embgeom.store import keys as K
+from embgeom.store.collections import Collections
+from embgeom.store.conf import CollectionSettings, PairConf
+from embgeom.store.connection import async_redis_client, redis_client
+from embgeom.store import reader as reader_module
+from embgeom.store.reader import Reader, run_async, run_sync
+from tests.test_store import checkpoint, held_jobs, points_window
+
+L, D = 12, 64  # a record of every layer is L times the one layer a request uses
+
+
+@pytest.fixture
+def r(redis_server):
+    client = redis_client(redis_server.url)
+    yield client
+    client.close()
+
+
+class VocabTokenizer:
+    """What a token page asks of a tokenizer: a string per vocabulary id."""
+
+    @staticmethod
+    def convert_ids_to_tokens(ids):
+        return [f"t{i}" for i in ids]
+
+
+def stored_pair(r, name="page", types=300, points=1500, seed=0):
+    """A pair with ``types`` token types written by one checkpoint: (pair, keys, x)."""
+    pair = K.PairKeys(name, "m")
+    conf = PairConf.resolve(CollectionSettings(), 0, L, D, 10**6, 4, 4096)
+    conf = Collections(r).ensure_conf(pair, conf)
+    rng = np.random.default_rng(seed)
+    keys = np.r_[np.arange(types), rng.integers(0, types, size=points - types)]
+    x, tok, lay = points_window(rng, keys, shape=(L, D))
+    checkpoint(r, pair, conf, tok, lay, held_jobs(r, pair, 1), piece_tokens=64)
+    r.sadd(K.PAIRS, pair.pair)
+    return pair, keys, x
+
+
+def output_bytes(r) -> int:
+    return int(r.info("stats")["total_net_output_bytes"])
+
+
+def test_a_token_page_reads_only_its_layer(r, redis_server):
+    redis_url = redis_server.url
+    pair, keys, x = stored_pair(r)
+    rd = Reader()
+    run_sync(r, rd.pair_state(pair))  # the pair's configuration cached, as on a served API
+    layer, k = 7, 300
+    before = output_bytes(r)
+    page = run_sync(r, reports.token_page(rd, pair, layer, VocabTokenizer(), limit=k))
+    moved = output_bytes(r) - before
+    assert len(page["tokens"]) == k
+    # What a page must move: the asked layer's unit sums (k x D float64) and every type's
+    # scalars (k x (1 + 2L)); a quarter more for the protocol, 16 kB for the small replies.
+    # Reading whole unit records would move k x L x D x 8 = 1.8 MB.
+    bound = 1.25 * 8 * k * (D + 1 + 2 * L) + 16_384
+    assert moved < bound, (moved, bound)
+    assert bound < 8 * k * L * D / 4
+
+    # The API's driver (redis.asyncio) reads the same page.
+    async def served():
+        client = async_redis_client(redis_url)
+        try:
+            return await run_async(client, reports.token_page(rd, pair, layer, VocabTokenizer(), limit=k))
+        finally:
+            await client.aclose()
+
+    assert asyncio.run(served())["tokens"] == page["tokens"]
+
+    # Values against float64 references from the raw points of the asked layer.
+    xl = x[:, layer]
+    for row in page["tokens"]:
+        pts = xl[keys == row["token_id"]]
+        n = len(pts)
+        mean = pts.mean(0)
+        M, V = float(mean @ mean), float(((pts - mean) ** 2).sum() / n)
+        scale = float((pts ** 2).sum(1).mean())  # the size of Q: values of this order
+        assert row["n"] == n
+        assert row["M"] == pytest.approx(M, abs=1e-12 * scale)
+        assert row["V"] == pytest.approx(V, abs=1e-12 * scale)
+        assert row["Q"] == pytest.approx(M + V, abs=1e-12 * scale)
+        if n < 2:
+            assert row["self_similarity"] is None
+            continue
+        u = pts / np.linalg.norm(pts, axis=1, keepdims=True)
+        cos = u @ u.T
+        expected = (cos.sum() - np.trace(cos)) / (n * (n - 1))  # mean over distinct pairs
+        # cosines are <= 1: sums of n^2 of them in float64 agree to ~n^2 * 1e-16
+        assert row["self_similarity"] == pytest.approx(expected, abs=1e-12)
+
+
+def test_reads_of_some_layers_equal_the_reference_and_move_only_those_layers(r):
+    pair, keys, x = stored_pair(r, "some", types=120, points=700, seed=1)
+    rd = Reader()
+    state = run_sync(r, rd.pair_state(pair))
+    ids = np.unique(keys)
+    n_ref = np.array([(keys == i).sum() for i in ids])
+    mean_ref = np.stack([x[keys == i].mean(0) for i in ids])                      # (k, L, D)
+    m2_ref = np.stack([((x[keys == i] - mean_ref[j]) ** 2).sum((0, 2)) for j, i in enumerate(ids)])
+    q = float(np.max((x ** 2).sum(2)))  # the largest squared norm: scale of means, m2 / n
+    for positions in ([0], [L - 1], [3, 4, 9]):
+        # A scan of every record.
+        before = output_bytes(r)
+        got_ids, n, m2, mean = run_sync(r, rd.means(state, positions))
+        moved = output_bytes(r) - before
+        np.testing.assert_array_equal(got_ids, ids)
+        np.testing.assert_array_equal(n, n_ref)
+        np.testing.assert_allclose(mean, mean_ref[:, positions], rtol=0, atol=1e-13 * np.sqrt(q))
+        np.testing.assert_allclose(m2, m2_ref[:, positions], rtol=0, atol=1e-12 * n_ref.max() * q)
+        wanted = 8 * len(ids) * (1 + len(positions) * (D + 1))
+        assert moved < 1.25 * wanted + 16_384, (moved, wanted)
+        # Some keys, one never seen.
+        asked = np.r_[ids[::7], 10**6 - 1]
+        n, m2, mean = run_sync(r, rd.means_of(state, asked, positions, step_bytes=4096))
+        np.testing.assert_array_equal(n, np.r_[n_ref[::7], 0])
+        np.testing.assert_allclose(mean[:-1], mean_ref[::7][:, positions], rtol=0, atol=1e-13 * np.sqrt(q))
+        np.testing.assert_array_equal(mean[-1], 0.0)
+        np.testing.assert_allclose(m2[:-1], m2_ref[::7][:, positions], rtol=0,
+                                   atol=1e-12 * n_ref.max() * q)
+        # Bucket sums at those layers are the same numbers as at every layer.
+        every = run_sync(r, rd.buckets(state, range(8)))
+        some = run_sync(r, rd.buckets(state, range(8), positions))
+        assert (some["types"], some["count"]) == (every["types"], every["count"]) == (len(ids), len(keys))
+        np.testing.assert_array_equal(some["vector"], every["vector"][positions])
+    # Unit sums of one layer: a never seen key is None.
+    asked = [int(ids[5]), 10**6 - 1, int(ids[0])]
+    units = run_sync(r, rd.units(state, asked, 2))
+    assert units[1] is None
+    for key, got in ((asked[0], units[0]), (asked[2], units[2])):
+        pts = x[keys == key, 2]
+        np.testing.assert_allclose(got, (pts / np.linalg.norm(pts, axis=1, keepdims=True)).sum(0),
+                                   rtol=0, atol=1e-12 * len(pts))
+
+
+def test_reader_caches_are_bounded_across_deletes(r):
+    """Every DELETE makes a generation; the reader keeps one per pair, and a bounded number
+    of pairs."""
+    collections = Collections(r)
+    rd = Reader()
+    pair = K.PairKeys("cycled", "m")
+    for gen in range(30):
+        collections.ensure_conf(pair, PairConf.resolve(CollectionSettings(), gen, L, D, 10**6, 4, 4096))
+        r.sadd(K.PAIRS, pair.pair)
+        state = run_sync(r, rd.pair_state(pair))
+        assert state.gen == gen and state.conf.gen == gen
+        run_sync(r, rd.scalars(state))
+        collections.delete_pair(pair)
+    assert len(rd._confs) == 1
+    assert len(rd._scalars) == 1
+
+    rd = Reader(scalar_cache_entries=2, conf_cache_entries=3)
+    for i in range(10):
+        other = K.PairKeys(f"many{i}", "m")
+        collections.ensure_conf(other, PairConf.resolve(CollectionSettings(), 0, L, D, 10**6, 4, 4096))
+        r.sadd(K.PAIRS, other.pair)
+        run_sync(r, rd.scalars(run_sync(r, rd.pair_state(other))))
+    assert len(rd._confs) == 3 and len(rd._scalars) == 2
+
+
+class Replay:
+    """Replies recorded from a real Redis, answered again without I/O: threads then spend
+    their time in the reader's own code, where its caches are shared."""
+
+    def __init__(self, client):
+        self.client = client
+        self.replies: dict = {}
+
+    @staticmethod
+    def _key(command):
+        return repr(command)
+
+    def record(self, plan):
+        try:
+            commands = next(plan)
+            while True:
+                replies = []
+                for command in commands:
+                    name, *args = command
+                    reply = getattr(self.client, name)(*args)
+                    self.replies[self._key(command)] = reply
+                    replies.append(reply)
+                commands = plan.send(replies)
+        except StopIteration as stop:
+            return stop.value
+
+    def run(self, plan):
+        try:
+            commands = next(plan)
+            while True:
+                commands = plan.send([self.replies[self._key(c)] for c in commands])
+        except StopIteration as stop:
+            return stop.value
+
+
+class YieldingStr(str):
+    """A pair name whose hashing lets other threads run, as any Python-level work between a
+    cache's lookup and its update may: a race in a shared cache then shows within a second
+    instead of once in millions of reads."""
+
+    def __hash__(self):
+        time.sleep(0)
+        return str.__hash__(self)
+
+
+def test_reader_cache_eviction_is_safe_under_threads(r):
+    """Threads sharing one reader with tiny caches over several pairs: every read answers
+    (the eviction of a shared cache never raises) and with the values of its own pair."""
+    pairs = [stored_pair(r, f"p{i}", types=20, points=60, seed=i)[0] for i in range(4)]
+    for pair in pairs:
+        pair.pair = YieldingStr(pair.pair)
+    replay = Replay(r)
+    expected = {}
+    for pair in pairs:
+        rd = Reader()
+        state = replay.record(rd.pair_state(pair))
+        expected[pair.pair] = replay.record(rd.scalars(state)).n.sum()
+        replay.record(Reader().pair_state(pair))  # the state read of a first (uncached) read
+
+    shared = Reader(scalar_cache_entries=1)
+    errors = []
+
+    def hammer(seed):
+        rng = np.random.default_rng(seed)
+        try:
+            for _ in range(300):
+                pair = pairs[rng.integers(len(pairs))]
+                state = replay.run(shared.pair_state(pair))
+                assert replay.run(shared.scalars(state)).n.sum() == expected[pair.pair]
+        except Exception as exc:  # noqa: BLE001 - any failure of a thread is the finding
+            errors.append(repr(exc))
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible: races show up
+    try:
+        threads = [threading.Thread(target=hammer, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert errors == []
+    assert len(shared._scalars) <= 1 and len(shared._confs) <= len(pairs)
+
+
+def test_bounded_cache_is_least_recently_used():
+    cache = reader_module.BoundedCache(2)
+    cache.put("a", 1)
+    cache.put("b", 2)
+    assert cache.get("a") == 1  # "a" used last: "b" goes first
+    cache.put("c", 3)
+    assert (cache.get("a"), cache.get("b"), cache.get("c")) == (1, None, 3)
+    cache.discard("b")  # absent: no error
+    cache.discard("a")
+    assert len(cache) == 1 and cache.get("a", "none") == "none"
