@@ -329,7 +329,7 @@ class Soak:
         self.redis = None
         self.api: Optional[Child] = None
         self.workers: list[Child] = []
-        self.token_ids: dict = {}   # (collection, model, layer) -> token ids seen on a page
+        self.token_ids: dict = {}   # (collection, model) -> token ids seen on a page (any layer)
         self.model_layers: dict[str, int] = {}
         self.not_read: set = set()
 
@@ -511,9 +511,11 @@ class Soak:
         finally:
             http.close()
 
-    def warm_up(self, timeout: float = 180) -> None:
+    def warm_up(self, timeout: float = 180, after: float = 0.0) -> None:
         """Small jobs of every model until each worker has loaded them (at most its LRU
-        bound): the RSS window then starts from workers holding their models."""
+        bound): the RSS window then starts from workers holding their models. Only
+        heartbeats sent after ``after`` count (a restarted worker's predecessor is heard
+        of for a few seconds under the same id)."""
         from embgeom.store.connection import redis_client
         from embgeom.worker import live_workers
 
@@ -528,7 +530,8 @@ class Soak:
                     workers = live_workers(client, 3 * HEARTBEAT_S + 2)
                 except Exception:
                     workers = []
-                loaded = {w["id"]: len(w.get("loaded") or []) for w in workers}
+                loaded = {w["id"]: len(w.get("loaded") or []) for w in workers
+                          if w.get("heartbeat", 0) >= after}
                 if len(loaded) >= len(self.workers) and min(loaded.values()) >= want:
                     break
                 if len(self.unfinished()) < 2 * len(self.workers):
@@ -554,7 +557,7 @@ class Soak:
         other = [p for p in self.pairs() if p != (c, m)]
         oc, om = rng.choice(other) if other else (c, m)
         olayers = self.plan[oc][0].get("layers") or list(range(self.model_layers[om]))
-        ids = self.token_ids.get((c, m, layer)) or []
+        ids = self.token_ids.get((c, m)) or []
         token = rng.choice(ids) if ids else None
         with self.jobs_lock:
             recent = [j.job_id for j in list(self.jobs.values())[-20:]]
@@ -594,7 +597,7 @@ class Soak:
                     params["layer"] = layer
                 if template.endswith("/report"):
                     params["format"] = "svg"
-                out.append((endpoint, path, params, (c, m, layer)))
+                out.append((endpoint, path, params, (c, m)))
         rng.shuffle(out)
         return out
 
@@ -735,7 +738,7 @@ class Soak:
                                         "down_s": round(time.time() - t0, 1)})
             self.log.note(f"SIGKILL {what}: back after {time.time() - t0:.1f} s")
         # Restarted workers load their models again before the RSS window starts.
-        self.warm_up(timeout=120)
+        self.warm_up(timeout=120, after=time.time())
 
     # ------------------------------------------------------------------- run
 
