@@ -557,11 +557,11 @@ class Soak:
         other = [p for p in self.pairs() if p != (c, m)]
         oc, om = rng.choice(other) if other else (c, m)
         olayers = self.plan[oc][0].get("layers") or list(range(self.model_layers[om]))
-        ids = self.token_ids.get((c, m)) or []
-        token = rng.choice(ids) if ids else None
         with self.jobs_lock:
             recent = [j.job_id for j in list(self.jobs.values())[-20:]]
-        values = {"collection": c, "model": m, "layer": layer, "token_id": token,
+        # A token id is filled in when the request is made (:meth:`sweep`): the sweep's
+        # own token page may be the first to name one.
+        values = {"collection": c, "model": m, "layer": layer, "token_id": "{token_id}",
                   "job_id": recent[-1] if recent else None}
         out = []
         for template, ops in spec.get("paths", {}).items():
@@ -599,7 +599,7 @@ class Soak:
                     params["format"] = "svg"
                 out.append((endpoint, path, params, (c, m)))
         rng.shuffle(out)
-        return out
+        return sorted(out, key=lambda x: "{token_id}" in x[1])  # token reads after the page
 
     def reader(self, index: int) -> None:
         rng = random.Random(1000 + index)
@@ -624,6 +624,12 @@ class Soak:
         for endpoint, path, params, where in self.read_paths(spec, rng):
             if self.stop_load.is_set():
                 return
+            if "{token_id}" in path:
+                ids = self.token_ids.get(where)
+                if not ids:
+                    self.not_read.add(f"{endpoint} (no token page of the pair yet)")
+                    continue
+                path = path.replace("{token_id}", str(rng.choice(ids)))
             r = http.request("GET", path, "GET " + endpoint, params=params)
             if r is None:
                 time.sleep(1)
