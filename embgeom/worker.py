@@ -79,8 +79,8 @@ class Window:
     pair: K.PairKeys
     stream: str
     conf: PairConf
-    engine: object
-    acc: WindowAccumulator
+    engine: Optional[object]                          # both None once the window closed:
+    acc: Optional[WindowAccumulator]                  # device memory and model let go
     held: list = field(default_factory=list)          # Held
     deliveries: list = field(default_factory=list)    # Delivery, same order
     names: dict = field(default_factory=dict)         # hashed word key -> name
@@ -132,8 +132,9 @@ class Worker:
             lease_ms=int(settings.lease_seconds * 1000), max_segments=settings.max_segments,
             retention_seconds=settings.retention_seconds)
         self.models = list(settings.worker_models or self.registry.names())
-        self._engine_factory = engine_factory or self._default_engine
-        self._engines: dict[tuple[str, int], object] = {}
+        # None: engines are built on the pool's models and owned by the pool (they leave
+        # with their model). A given factory owns whatever its engines hold.
+        self._engine_factory = engine_factory
         self.clock = StageClock()
         self.window: Optional[Window] = None
         self.stop_event = threading.Event()
@@ -274,6 +275,9 @@ class Worker:
                         continue
                 else:
                     self._hand_back(delivery)
+                # Not kept while idle: a prepared job holds its engine (and so its model,
+                # evicted or not) and its pinned batches.
+                item = delivery = None
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 log.debug("feeder lost Redis: %s", exc)
                 self.queue.forget_groups()
@@ -329,17 +333,16 @@ class Worker:
             settings, gen, info.num_layers + 1, info.hidden_size, len(tokenizer),
             self.settings.shards, self.settings.chunk_bytes, info.architecture, time.time()))
 
-    def _default_engine(self, conf: PairConf, model: str):
+    def engine(self, conf: PairConf, model: str):
+        """The engine of ``model`` under the pair's counting rule (cheap: built once per
+        rule and kept by the model pool with the model it runs)."""
+        if self._engine_factory is not None:
+            return self._engine_factory(conf, model)
         rule = CountingRule(conf.layers, conf.key, conf.include_special, conf.self_similarity,
                             conf.unit)
-        return Engine(self.pool.get(model), rule, self.settings.token_budget,
-                      self.settings.reduce_precision)
-
-    def engine(self, conf: PairConf, model: str):
-        key = (f"{model}:{conf.to_json()}", conf.gen)
-        if key not in self._engines:
-            self._engines[key] = self._engine_factory(conf, model)
-        return self._engines[key]
+        budget, precision = self.settings.token_budget, self.settings.reduce_precision
+        return self.pool.engine(model, (rule, budget, precision),
+                                lambda loaded: Engine(loaded, rule, budget, precision))
 
     def _accumulator(self, conf: PairConf, engine) -> WindowAccumulator:
         device = getattr(getattr(engine, "loaded", None), "device", "cpu")
@@ -457,6 +460,8 @@ class Worker:
         w, self.window, self._affinity = self.window, None, None
         if w is None:
             return
+        w.acc = w.engine = None
+        self.pool.release_evicted()
         for d in w.deliveries:
             if hand_back and d.job_id not in self._lost:
                 if error is not None:
@@ -495,6 +500,10 @@ class Worker:
         self._last_window_size = max(self._last_window_size, len(w.acc))
         with self.clock.timed("export"):
             tokens, layers = w.acc.export()
+        # The window's device memory and its engine go now, before the checkpoint is
+        # written: an evicted model it ran on can be released.
+        w.acc = w.engine = None
+        self.pool.release_evicted()
         moments = WindowMoments(tokens, layers, {h.job_id: h.tokens for h in w.held}, w.names)
         cp = new_checkpoint_id()
         piece_tokens = piece_tokens_for(w.conf, self.settings.piece_bytes)
@@ -618,6 +627,8 @@ class Worker:
             held.append(Held(job_id, entry, epoch, job.counted))
             names.update(job.names)
         tokens, layers = acc.export()
+        acc = engine = None  # not held while the checkpoint is applied
+        self.pool.release_evicted()
         moments = WindowMoments(tokens, layers, {h.job_id: h.tokens for h in held}, names)
         return self._apply_sealed(d.pair, conf, d.checkpoint, moments, held, record["stream"],
                                   record["piece_tokens"], [d])
