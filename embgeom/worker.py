@@ -29,7 +29,7 @@ import socket
 import threading
 import time
 import uuid
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -154,7 +154,9 @@ class Worker:
         self._notified: dict = {}                     # last notification id per stream
         self.jobs_done = 0
         self.checkpoints = 0
-        self._last_window_size = 0
+        # Rows each window shape (L, d, self-similarity) last reached: a new window of that
+        # shape starts there (growing by doubling copies everything), and no other does.
+        self._window_rows: OrderedDict[tuple, int] = OrderedDict()
         self._last_apply_seconds = 0.0
         self._applying: queue_mod.Queue = queue_mod.Queue(maxsize=1)
         self._applier_idle = threading.Event()
@@ -344,11 +346,28 @@ class Worker:
         return self.pool.engine(model, (rule, budget, precision),
                                 lambda loaded: Engine(loaded, rule, budget, precision))
 
+    MAX_WINDOW_SHAPES = 32
+    FIRST_WINDOW_ROWS = 1024
+
     def _accumulator(self, conf: PairConf, engine) -> WindowAccumulator:
+        """A new window: at the rows its shape reached last time (or
+        :attr:`FIRST_WINDOW_ROWS`), never more than the byte budget holds."""
         device = getattr(getattr(engine, "loaded", None), "device", "cpu")
-        # Start at the size the last window reached: growing by doubling copies everything.
+        shape = (conf.L, conf.d, conf.self_similarity)
+        max_rows = WindowAccumulator.rows_within(conf.L, conf.d, conf.self_similarity,
+                                                 self.settings.checkpoint_bytes)
+        rows = self._window_rows.get(shape, self.FIRST_WINDOW_ROWS)
         return WindowAccumulator(conf.L, conf.d, conf.self_similarity, device,
-                                 capacity=max(1024, self._last_window_size))
+                                 capacity=min(rows, max_rows), max_capacity=max_rows)
+
+    def _remember_window(self, acc: WindowAccumulator) -> None:
+        """Note the rows a closing window reached, for the next one of its shape (a
+        bounded LRU of shapes)."""
+        shape = (acc.num_layers, acc.dim, acc.self_similarity)
+        self._window_rows[shape] = max(len(acc), self._window_rows.get(shape, 0))
+        self._window_rows.move_to_end(shape)
+        while len(self._window_rows) > self.MAX_WINDOW_SHAPES:
+            self._window_rows.popitem(last=False)
 
     # ------------------------------------------------------------------- jobs
     def process(self, item: Prepared) -> str:
@@ -497,7 +516,7 @@ class Worker:
         w, self.window, self._affinity = self.window, None, None
         if w is None or not w.held:
             return "empty"
-        self._last_window_size = max(self._last_window_size, len(w.acc))
+        self._remember_window(w.acc)
         with self.clock.timed("export"):
             tokens, layers = w.acc.export()
         # The window's device memory and its engine go now, before the checkpoint is

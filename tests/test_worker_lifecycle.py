@@ -3,6 +3,8 @@
 * Engines belong to the model pool and leave with their model: cycling models (with a
   DELETE, a new generation, between each job) under ``max_loaded_models=1`` keeps one
   model object alive, not one per (model, settings, generation).
+* A new window's capacity is what its own shape (layers x width) needed before, within
+  the byte budget, not the largest window any model reached.
 
 Real Redis (``redis_server``), jobs driven through a real :class:`Worker` step by step
 (take -> prepare -> process -> checkpoint, as ``tests/test_scale_out.py`` does), small
@@ -94,3 +96,58 @@ def test_cycling_models_keeps_one_engine_per_loaded_model(redis_server, tiny_mod
     assert w.pool.loaded() == ["gb"]
     assert alive_models == [5], f"model objects of cycles {alive_models} still alive"
     assert alive_engines == [5], f"engines of cycles {alive_engines} still alive"
+
+
+def test_a_small_window_of_a_wide_model_does_not_start_at_a_narrow_models_size(redis_server, tiny_models):
+    """A narrow window reaches many rows; the next window, of a model 4x deeper and 8x
+    wider, holding 2 short texts, starts within the byte budget and below the narrow
+    window's row count; the narrow shape's next window starts at the size it reached."""
+    budget = 4 << 20  # bytes of per-token state a window may hold
+    w = make_worker(redis_server.url, ["ga", "wide"], models=tiny_models, checkpoint_bytes=budget)
+    # ~2,000 distinct token ids of MiniLM's vocabulary, as text.
+    tokenizer = w.registry.tokenizer("ga")
+    vocab = [t for t in tokenizer.convert_ids_to_tokens(range(2000, 6000)) if t.isalpha()][:2000]
+    texts = [" ".join(vocab[i:i + 40]) for i in range(0, len(vocab), 40)]
+    ingest(w, "narrow", "ga", texts)
+    narrow_rows = len(w.window.acc)
+    assert narrow_rows >= 1500
+    checkpoint(w)
+
+    def per_row(L: int, d: int) -> int:  # n, key, then per layer m2, mean (d), unit sums (d)
+        return 8 * (2 + L * (1 + 2 * d))
+
+    ingest(w, "wide", "wide", ["a short text", "another one"])
+    acc = w.window.acc
+    capacity = acc._keys.shape[0]
+    wide_bytes = capacity * per_row(SHAPES["wide"]["n_layer"] + 1, SHAPES["wide"]["n_embd"])
+    assert capacity < narrow_rows, capacity
+    assert wide_bytes <= budget, wide_bytes
+    checkpoint(w)
+
+    # The narrow shape remembers what it needed: no doubling from scratch next time.
+    ingest(w, "narrow", "ga", ["one more"])
+    assert w.window.acc._keys.shape[0] >= narrow_rows
+    checkpoint(w)
+
+
+def test_window_growth_stops_doubling_at_its_byte_budget():
+    """Doubling up to ``max_capacity`` (the rows the byte budget holds), then a quarter
+    more at a time: a job past the budget never allocates twice what it uses; the
+    moments are those of every batch (counts checked against the ids added)."""
+    import torch
+
+    from embgeom.compute.reduce import reduce_batch
+    from embgeom.compute.window import WindowAccumulator
+
+    acc = WindowAccumulator(1, 2, False, capacity=4, max_capacity=10)
+    capacities = []
+    for start in range(0, 15, 3):  # 3 new ids a batch, each id once
+        keys = torch.arange(start, start + 3)[None]
+        hidden = [torch.randn(1, 3, 2)]
+        acc.add(*reduce_batch(hidden, [0], keys, torch.ones_like(keys, dtype=torch.bool), False,
+                              "fp32", acc.layers))
+        capacities.append(acc.capacity)
+    assert capacities == [4, 8, 10, 12, 15]
+    tokens, layers = acc.export()
+    assert tokens.ids.tolist() == list(range(15)) and tokens.n.tolist() == [1] * 15
+    assert layers.n == 15
