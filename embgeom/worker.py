@@ -331,9 +331,12 @@ class Worker:
         settings = self.collections.ensure(pair.collection)
         info = self.registry.info(pair.model)
         tokenizer = self.registry.tokenizer(pair.model)
+        # The window length (this worker's registry: the model's maximum capped by its
+        # max_window_tokens) is pinned here: it decides counts, for every later worker.
         return self.collections.ensure_conf(pair, PairConf.resolve(
             settings, gen, info.num_layers + 1, info.hidden_size, len(tokenizer),
-            self.settings.shards, self.settings.chunk_bytes, info.architecture, time.time()))
+            self.settings.shards, self.settings.chunk_bytes, info.architecture, time.time(),
+            window_tokens=info.max_length))
 
     def engine(self, conf: PairConf, model: str):
         """The engine of ``model`` under the pair's counting rule (cheap: built once per
@@ -341,7 +344,7 @@ class Worker:
         if self._engine_factory is not None:
             return self._engine_factory(conf, model)
         rule = CountingRule(conf.layers, conf.key, conf.include_special, conf.self_similarity,
-                            conf.unit)
+                            conf.unit, conf.window_tokens)
         budget, precision = self.settings.token_budget, self.settings.reduce_precision
         return self.pool.engine(model, (rule, budget, precision),
                                 lambda loaded: Engine(loaded, rule, budget, precision))

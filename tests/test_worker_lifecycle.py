@@ -5,16 +5,20 @@
   model object alive, not one per (model, settings, generation).
 * A new window's capacity is what its own shape (layers x width) needed before, within
   the byte budget, not the largest window any model reached.
+* Everything that decides counts is pinned in the pair's configuration: two workers with
+  different ``max_window_tokens`` count one collection by the window length of the first.
 
 Real Redis (``redis_server``), jobs driven through a real :class:`Worker` step by step
 (take -> prepare -> process -> checkpoint, as ``tests/test_scale_out.py`` does), small
 random-weight GPT-2 models registered through settings (with MiniLM's tokenizer) where
-only the shape matters.
+only the shape matters, the packaged MiniLM where counts are compared with its tokenizer.
 """
 
 from __future__ import annotations
 
 import gc
+import json
+import math
 import random
 import weakref
 
@@ -130,6 +134,36 @@ def test_a_small_window_of_a_wide_model_does_not_start_at_a_narrow_models_size(r
     checkpoint(w)
 
 
+def expected_counts(tokenizer, texts: list[str], window: int) -> int:
+    """Tokens counted with special tokens included, the texts cut into windows of at most
+    ``window`` tokens, each with its [CLS] and [SEP]: n + 2 ceil(n / (window - 2))."""
+    n = [len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
+    return sum(k + 2 * math.ceil(k / (window - 2)) for k in n)
+
+
+def test_window_length_is_pinned_in_the_pair_config(redis_server):
+    """Worker A (windows of 16 tokens) resolves the pair; worker B (windows of 64) runs the
+    next job of the same collection: both count by A's window length."""
+    url = redis_server.url
+    a = make_worker(url, ["minilm"], max_window_tokens=16)
+    b = make_worker(url, ["minilm"], max_window_tokens=64, token_budget=4096)
+    Collections(a.r).put("special", CollectionSettings(include_special=True))
+    texts_a, texts_b = sentences(1, 6, words=40), sentences(2, 6, words=40)
+    tokenizer = a.registry.tokenizer("minilm")
+    want_a, want_b = (expected_counts(tokenizer, t, 16) for t in (texts_a, texts_b))
+    assert want_b != expected_counts(tokenizer, texts_b, 64)  # the window length matters here
+
+    job_a = ingest(a, "special", "minilm", texts_a)
+    checkpoint(a)
+    job_b = ingest(b, "special", "minilm", texts_b)
+    checkpoint(b)
+    q = JobQueue(a.r)
+    assert q.status(job_a)["tokens"] == want_a
+    assert q.status(job_b)["tokens"] == want_b
+    conf = Collections(a.r).conf(K.PairKeys("special", "minilm"))
+    assert conf.window_tokens == 16
+
+
 def test_window_growth_stops_doubling_at_its_byte_budget():
     """Doubling up to ``max_capacity`` (the rows the byte budget holds), then a quarter
     more at a time: a job past the budget never allocates twice what it uses; the
@@ -151,3 +185,18 @@ def test_window_growth_stops_doubling_at_its_byte_budget():
     tokens, layers = acc.export()
     assert tokens.ids.tolist() == list(range(15)) and tokens.n.tolist() == [1] * 15
     assert layers.n == 15
+
+
+def test_a_conf_fixed_before_the_window_was_pinned_counts_by_the_workers_length(redis_server):
+    """A configuration stored without ``window_tokens`` still reads; its engine cuts
+    windows at the worker's model maximum, as before the field existed."""
+    from embgeom.store.conf import PairConf
+
+    w = make_worker(redis_server.url, ["minilm"], max_window_tokens=32)
+    fresh = w.pair_conf(K.PairKeys("old", "minilm"), 0)
+    assert fresh.window_tokens == 32
+    raw = json.loads(fresh.to_json())
+    del raw["window_tokens"]
+    old = PairConf.from_json(json.dumps(raw))
+    assert old.window_tokens == 0
+    assert w.engine(old, "minilm").window == 32 == w.registry.info("minilm").max_length
