@@ -351,15 +351,19 @@ class Worker:
 
     MAX_WINDOW_SHAPES = 32
     FIRST_WINDOW_ROWS = 1024
+    FIRST_WINDOW_BYTES = 64 << 20  # a 17 x 2048 model's 1024 rows would be 570 MB
 
     def _accumulator(self, conf: PairConf, engine) -> WindowAccumulator:
-        """A new window: at the rows its shape reached last time (or
-        :attr:`FIRST_WINDOW_ROWS`), never more than the byte budget holds."""
+        """A new window: at the rows its shape reached last time (the first time,
+        :attr:`FIRST_WINDOW_ROWS` within :attr:`FIRST_WINDOW_BYTES`), never more than the
+        byte budget holds."""
         device = getattr(getattr(engine, "loaded", None), "device", "cpu")
         shape = (conf.L, conf.d, conf.self_similarity)
         max_rows = WindowAccumulator.rows_within(conf.L, conf.d, conf.self_similarity,
                                                  self.settings.checkpoint_bytes)
-        rows = self._window_rows.get(shape, self.FIRST_WINDOW_ROWS)
+        first = min(self.FIRST_WINDOW_ROWS, WindowAccumulator.rows_within(
+            conf.L, conf.d, conf.self_similarity, self.FIRST_WINDOW_BYTES))
+        rows = self._window_rows.get(shape, first)
         return WindowAccumulator(conf.L, conf.d, conf.self_similarity, device,
                                  capacity=min(rows, max_rows), max_capacity=max_rows)
 

@@ -134,6 +134,20 @@ def test_a_small_window_of_a_wide_model_does_not_start_at_a_narrow_models_size(r
     checkpoint(w)
 
 
+def test_the_first_window_of_a_wide_shape_starts_within_64_mb(redis_server):
+    """No earlier window of its shape: a 17 x 2048 model (SmolLM2-1.7B-like hidden states,
+    557 kB per token row) starts at the rows 64 MB hold, not at 1,024 rows (570 MB)."""
+    from embgeom.compute.window import WindowAccumulator
+    from embgeom.store.conf import PairConf
+
+    w = make_worker(redis_server.url, ["minilm"])  # the default byte budget: 1 GiB
+    conf = PairConf.resolve(CollectionSettings(), 0, 17, 2048, 49152, 32, 2 << 20)
+    acc = w._accumulator(conf, None)
+    row = 8 * (2 + 17 * (1 + 2 * 2048))
+    assert WindowAccumulator.row_bytes(17, 2048, True) == row
+    assert 0 < acc._keys.shape[0] * row <= 64 << 20
+
+
 def expected_counts(tokenizer, texts: list[str], window: int) -> int:
     """Tokens counted with special tokens included, the texts cut into windows of at most
     ``window`` tokens, each with its [CLS] and [SEP]: n + 2 ceil(n / (window - 2))."""
