@@ -29,7 +29,7 @@ import socket
 import threading
 import time
 import uuid
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -79,8 +79,8 @@ class Window:
     pair: K.PairKeys
     stream: str
     conf: PairConf
-    engine: object
-    acc: WindowAccumulator
+    engine: Optional[object]                          # both None once the window closed:
+    acc: Optional[WindowAccumulator]                  # device memory and model let go
     held: list = field(default_factory=list)          # Held
     deliveries: list = field(default_factory=list)    # Delivery, same order
     names: dict = field(default_factory=dict)         # hashed word key -> name
@@ -132,8 +132,9 @@ class Worker:
             lease_ms=int(settings.lease_seconds * 1000), max_segments=settings.max_segments,
             retention_seconds=settings.retention_seconds)
         self.models = list(settings.worker_models or self.registry.names())
-        self._engine_factory = engine_factory or self._default_engine
-        self._engines: dict[tuple[str, int], object] = {}
+        # None: engines are built on the pool's models and owned by the pool (they leave
+        # with their model). A given factory owns whatever its engines hold.
+        self._engine_factory = engine_factory
         self.clock = StageClock()
         self.window: Optional[Window] = None
         self.stop_event = threading.Event()
@@ -153,7 +154,9 @@ class Worker:
         self._notified: dict = {}                     # last notification id per stream
         self.jobs_done = 0
         self.checkpoints = 0
-        self._last_window_size = 0
+        # Rows each window shape (L, d, self-similarity) last reached: a new window of that
+        # shape starts there (growing by doubling copies everything), and no other does.
+        self._window_rows: OrderedDict[tuple, int] = OrderedDict()
         self._last_apply_seconds = 0.0
         self._applying: queue_mod.Queue = queue_mod.Queue(maxsize=1)
         self._applier_idle = threading.Event()
@@ -274,6 +277,9 @@ class Worker:
                         continue
                 else:
                     self._hand_back(delivery)
+                # Not kept while idle: a prepared job holds its engine (and so its model,
+                # evicted or not) and its pinned batches.
+                item = delivery = None
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 log.debug("feeder lost Redis: %s", exc)
                 self.queue.forget_groups()
@@ -325,27 +331,50 @@ class Worker:
         settings = self.collections.ensure(pair.collection)
         info = self.registry.info(pair.model)
         tokenizer = self.registry.tokenizer(pair.model)
+        # The window length (this worker's registry: the model's maximum capped by its
+        # max_window_tokens) is pinned here: it decides counts, for every later worker.
         return self.collections.ensure_conf(pair, PairConf.resolve(
             settings, gen, info.num_layers + 1, info.hidden_size, len(tokenizer),
-            self.settings.shards, self.settings.chunk_bytes, info.architecture, time.time()))
-
-    def _default_engine(self, conf: PairConf, model: str):
-        rule = CountingRule(conf.layers, conf.key, conf.include_special, conf.self_similarity,
-                            conf.unit)
-        return Engine(self.pool.get(model), rule, self.settings.token_budget,
-                      self.settings.reduce_precision)
+            self.settings.shards, self.settings.chunk_bytes, info.architecture, time.time(),
+            window_tokens=info.max_length))
 
     def engine(self, conf: PairConf, model: str):
-        key = (f"{model}:{conf.to_json()}", conf.gen)
-        if key not in self._engines:
-            self._engines[key] = self._engine_factory(conf, model)
-        return self._engines[key]
+        """The engine of ``model`` under the pair's counting rule (cheap: built once per
+        rule and kept by the model pool with the model it runs)."""
+        if self._engine_factory is not None:
+            return self._engine_factory(conf, model)
+        rule = CountingRule(conf.layers, conf.key, conf.include_special, conf.self_similarity,
+                            conf.unit, conf.window_tokens)
+        budget, precision = self.settings.token_budget, self.settings.reduce_precision
+        return self.pool.engine(model, (rule, budget, precision),
+                                lambda loaded: Engine(loaded, rule, budget, precision))
+
+    MAX_WINDOW_SHAPES = 32
+    FIRST_WINDOW_ROWS = 1024
+    FIRST_WINDOW_BYTES = 64 << 20  # a 17 x 2048 model's 1024 rows would be 570 MB
 
     def _accumulator(self, conf: PairConf, engine) -> WindowAccumulator:
+        """A new window: at the rows its shape reached last time (the first time,
+        :attr:`FIRST_WINDOW_ROWS` within :attr:`FIRST_WINDOW_BYTES`), never more than the
+        byte budget holds."""
         device = getattr(getattr(engine, "loaded", None), "device", "cpu")
-        # Start at the size the last window reached: growing by doubling copies everything.
+        shape = (conf.L, conf.d, conf.self_similarity)
+        max_rows = WindowAccumulator.rows_within(conf.L, conf.d, conf.self_similarity,
+                                                 self.settings.checkpoint_bytes)
+        first = min(self.FIRST_WINDOW_ROWS, WindowAccumulator.rows_within(
+            conf.L, conf.d, conf.self_similarity, self.FIRST_WINDOW_BYTES))
+        rows = self._window_rows.get(shape, first)
         return WindowAccumulator(conf.L, conf.d, conf.self_similarity, device,
-                                 capacity=max(1024, self._last_window_size))
+                                 capacity=min(rows, max_rows), max_capacity=max_rows)
+
+    def _remember_window(self, acc: WindowAccumulator) -> None:
+        """Note the rows a closing window reached, for the next one of its shape (a
+        bounded LRU of shapes)."""
+        shape = (acc.num_layers, acc.dim, acc.self_similarity)
+        self._window_rows[shape] = max(len(acc), self._window_rows.get(shape, 0))
+        self._window_rows.move_to_end(shape)
+        while len(self._window_rows) > self.MAX_WINDOW_SHAPES:
+            self._window_rows.popitem(last=False)
 
     # ------------------------------------------------------------------- jobs
     def process(self, item: Prepared) -> str:
@@ -457,6 +486,8 @@ class Worker:
         w, self.window, self._affinity = self.window, None, None
         if w is None:
             return
+        w.acc = w.engine = None
+        self.pool.release_evicted()
         for d in w.deliveries:
             if hand_back and d.job_id not in self._lost:
                 if error is not None:
@@ -492,9 +523,13 @@ class Worker:
         w, self.window, self._affinity = self.window, None, None
         if w is None or not w.held:
             return "empty"
-        self._last_window_size = max(self._last_window_size, len(w.acc))
+        self._remember_window(w.acc)
         with self.clock.timed("export"):
             tokens, layers = w.acc.export()
+        # The window's device memory and its engine go now, before the checkpoint is
+        # written: an evicted model it ran on can be released.
+        w.acc = w.engine = None
+        self.pool.release_evicted()
         moments = WindowMoments(tokens, layers, {h.job_id: h.tokens for h in w.held}, w.names)
         cp = new_checkpoint_id()
         piece_tokens = piece_tokens_for(w.conf, self.settings.piece_bytes)
@@ -691,6 +726,7 @@ class Worker:
                 held.append(Held(job_id, entry, epoch, job.counted))
                 names.update(job.names)
             tokens, layers = acc.export()
+            acc = engine = None  # not held while the checkpoint is applied
         except (redis.ConnectionError, redis.TimeoutError):
             self._release(d)  # the lease runs out; the next delivery adopts it again
             raise
@@ -699,6 +735,7 @@ class Worker:
             # this try counts; the next delivery adopts it again, or dead-letters it.
             self._release(d)
             return self._give_up(d.pair, self.collections.conf(d.pair, record["gen"]), d.checkpoint, exc)
+        self.pool.release_evicted()
         moments = WindowMoments(tokens, layers, {h.job_id: h.tokens for h in held}, names)
         return self._apply_sealed(d.pair, conf, d.checkpoint, moments, held, record["stream"],
                                   record["piece_tokens"], [d])

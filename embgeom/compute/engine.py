@@ -31,13 +31,19 @@ __all__ = ["CountingRule", "PreparedJob", "Engine", "POOLINGS", "pool_words", "t
 @dataclass(frozen=True)
 class CountingRule:
     """Which positions count, under which key, at which layers (a collection's settings,
-    resolved against one model)."""
+    resolved against one model).
+
+    ``window`` is the longest window in tokens (special tokens included) a text is cut
+    into: it decides counts (each window adds its special tokens, and a word across a
+    window boundary is two words), so it is the pair's pinned value, not the worker's;
+    0 means the model's maximum as this worker's registry reports it."""
 
     layers: tuple[int, ...]
     key: str = "id"
     include_special: bool = False
     self_similarity: bool = True
     unit: str = "token"
+    window: int = 0
 
 
 @dataclass
@@ -58,14 +64,14 @@ class Engine:
                  precision: str = "fp32"):
         self.loaded = loaded
         self.rule = rule
-        self.token_budget = max(token_budget, loaded.info.max_length)
+        self.window = rule.window or loaded.info.max_length
+        self.token_budget = max(token_budget, self.window)  # a batch holds at least one window
         self.precision = precision
         self._pin = loaded.device.type == "cuda"
 
     def prepare(self, texts: Sequence[str]) -> PreparedJob:
         """Tokenise and batch (host work; thread-safe)."""
-        info = self.loaded.info
-        enc = encode(self.loaded.tokenizer, texts, info.max_length, self.rule.include_special,
+        enc = encode(self.loaded.tokenizer, texts, self.window, self.rule.include_special,
                      self.rule.key, self.rule.unit)
         batches = []
         for windows in batches_by_token_budget(enc.lengths, self.token_budget):

@@ -7,12 +7,15 @@ happens on first use and a bounded LRU keeps the most recently used models.
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import logging
 import threading
+import weakref
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Hashable, Optional, Sequence, TypeVar
 
 import torch
 # Imported here, once, on the importing thread: transformers' lazy module loading is not
@@ -26,6 +29,8 @@ from embgeom.settings import ModelSource, Settings
 log = logging.getLogger(__name__)
 
 __all__ = ["DTYPES", "ModelInfo", "ModelRegistry", "LoadedModel", "ModelPool", "default_device"]
+
+E = TypeVar("E")
 
 # A tokenizer that declares no limit reports a huge sentinel (int(1e30)).
 _NO_LIMIT = 1_000_000
@@ -199,8 +204,37 @@ class LoadedModel:
                                   torch.from_numpy(batch.attention).to(self.device))
 
 
+@dataclass
+class _Entry:
+    """A loaded model and what is built on it: the pool owns both, so they leave together."""
+
+    model: LoadedModel
+    engines: OrderedDict = field(default_factory=OrderedDict)  # key -> engine, LRU
+
+
+def _return_freed_memory(device: torch.device) -> None:
+    """Hand memory freed by a released model back to the system: the CUDA caching
+    allocator's blocks, and glibc's free heap pages (without ``malloc_trim`` the RSS of a
+    process that loads and frees models in turn only grows)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass
+
+
 class ModelPool:
-    """Models loaded on demand, kept in an LRU bounded by count and parameter memory."""
+    """Models loaded on demand, kept in an LRU bounded by count and parameter memory.
+
+    The pool is the one owner of a loaded model and of the engines built on it
+    (:meth:`engine`): evicting the model drops them too, so the bound on models is a bound
+    on memory. Whoever holds an engine or a model beyond its use (an open window) delays
+    the release until it lets go; :meth:`release_evicted` then returns the memory.
+    """
+
+    MAX_ENGINES = 8       # per model: one per counting rule in use (an engine is cheap)
+    RELEASE_TRIES = 8     # collections tried before an evicted model is reported as leaked
 
     def __init__(self, registry: ModelRegistry, device: Optional[str] = None,
                  max_models: int = 2, max_memory_mb: Optional[int] = None, dtype: str = "fp32"):
@@ -211,7 +245,8 @@ class ModelPool:
         self.device = torch.device(device or default_device())
         self.max_models = max_models
         self.max_memory_bytes = None if max_memory_mb is None else max_memory_mb * 2**20
-        self._models: OrderedDict[str, LoadedModel] = OrderedDict()
+        self._models: OrderedDict[str, _Entry] = OrderedDict()
+        self._evicted: list[list] = []  # [name, weakref to the LoadedModel, tries left]
         self._lock = threading.Lock()
 
     @classmethod
@@ -224,26 +259,75 @@ class ModelPool:
 
     def get(self, name: str) -> LoadedModel:
         with self._lock:
-            if name in self._models:
-                self._models.move_to_end(name)
-                return self._models[name]
-            model = self._load(name)
-            self._models[name] = model
-            self._evict()
-            return model
+            return self._entry(name).model
+
+    def engine(self, name: str, key: Hashable, build: Callable[[LoadedModel], E]) -> E:
+        """The engine ``build(model)`` of model ``name`` under ``key``, built once and kept
+        with the model (the least recently used of more than :attr:`MAX_ENGINES` goes)."""
+        with self._lock:
+            entry = self._entry(name)
+            if key in entry.engines:
+                entry.engines.move_to_end(key)
+                return entry.engines[key]
+            engine = entry.engines[key] = build(entry.model)
+            while len(entry.engines) > self.MAX_ENGINES:
+                entry.engines.popitem(last=False)
+            return engine
+
+    def _entry(self, name: str) -> _Entry:
+        """Under the lock: the entry of ``name``, loaded if need be, made most recent."""
+        if name in self._models:
+            self._models.move_to_end(name)
+            return self._models[name]
+        entry = self._models[name] = _Entry(self._load(name))
+        self._evict()
+        return entry
 
     def _evict(self) -> None:
         def total():
-            return sum(m.param_bytes for m in self._models.values())
+            return sum(e.model.param_bytes for e in self._models.values())
 
+        evicted = False
         while len(self._models) > self.max_models or (
             self.max_memory_bytes is not None and len(self._models) > 1
             and total() > self.max_memory_bytes
         ):
-            name, _ = self._models.popitem(last=False)
+            name, entry = self._models.popitem(last=False)
+            self._evicted.append([name, weakref.ref(entry.model), self.RELEASE_TRIES])
+            entry.engines.clear()
+            del entry
+            evicted = True
             log.info("evicted model %s", name)
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        if evicted:
+            self._release()
+
+    def release_evicted(self) -> None:
+        """Return the memory of evicted models nobody uses any more (call when a user of
+        one may have let go of it, e.g. a window closed). Cheap when nothing was evicted."""
+        with self._lock:
+            if self._evicted:
+                self._release()
+
+    def _release(self) -> None:
+        """Under the lock: hand back the memory of the evicted models now unreferenced.
+        A model is freed by reference counting when its last user lets go; a garbage
+        collection runs only while one is still referenced (a cycle would keep it), and one
+        still referenced after :attr:`RELEASE_TRIES` calls is logged (something keeps it)
+        and no longer waited for."""
+        if any(ref() is not None for _, ref, _ in self._evicted):
+            gc.collect()
+        freed, waiting = [], []
+        for name, ref, tries in self._evicted:
+            if ref() is None:
+                freed.append(name)
+            elif tries > 1:
+                waiting.append([name, ref, tries - 1])
+            else:
+                log.warning("evicted model %s is still referenced: its memory is not released", name)
+        self._evicted = waiting
+        if freed:
+            _return_freed_memory(self.device)
+            log.info("released the memory of %s", ", ".join(freed))
 
     def _load(self, name: str) -> LoadedModel:
         info = self.registry.info(name)

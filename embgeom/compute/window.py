@@ -81,12 +81,17 @@ class WindowAccumulator:
     num_layers : the number of kept layers L.
     dim : the hidden size d.
     self_similarity : keep per-token unit-vector sums.
+    capacity : rows allocated at the start.
+    max_capacity : rows beyond which growth stops doubling and takes only what a batch
+        needs (the window is checkpointed once past its byte budget, so doubling past it
+        would allocate memory it never uses).
     """
 
     def __init__(self, num_layers: int, dim: int, self_similarity: bool, device="cpu",
-                 capacity: int = 1024):
+                 capacity: int = 1024, max_capacity: Optional[int] = None):
         self.num_layers, self.dim, self.device = num_layers, dim, torch.device(device)
         self.self_similarity = self_similarity
+        self.max_capacity = max_capacity
         self.size = 0
         self.tokens = 0  # embeddings per layer
         self._alloc(capacity)
@@ -112,11 +117,26 @@ class WindowAccumulator:
     def __len__(self) -> int:
         return self.size
 
+    @staticmethod
+    def row_bytes(num_layers: int, dim: int, self_similarity: bool) -> int:
+        """Bytes of one token's state: key and count, then per layer M2, mean (d) and,
+        with self-similarity, the unit-vector sum (d); all 8 bytes."""
+        return 8 * (2 + num_layers * (1 + dim * (2 if self_similarity else 1)))
+
+    @classmethod
+    def rows_within(cls, num_layers: int, dim: int, self_similarity: bool, nbytes: int) -> int:
+        """Rows of that shape that fit in ``nbytes`` (at least 1)."""
+        return max(1, nbytes // cls.row_bytes(num_layers, dim, self_similarity))
+
+    @property
+    def capacity(self) -> int:
+        """Rows allocated."""
+        return self._keys.shape[0]
+
     @property
     def nbytes(self) -> int:
         """Bytes of per-token state in use (what a checkpoint will carry)."""
-        per_row = 8 * (2 + self.num_layers * (1 + self.dim * (2 if self.self_similarity else 1)))
-        return self.size * per_row
+        return self.size * self.row_bytes(self.num_layers, self.dim, self.self_similarity)
 
     def _rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows of ``ids`` (sorted, unique), appending the ones never seen."""
@@ -130,8 +150,8 @@ class WindowAccumulator:
         fresh = ~found
         num_new = int(fresh.sum())
         if num_new:
-            if self.size + num_new > self._keys.shape[0]:
-                self._alloc(max(2 * self._keys.shape[0], self.size + num_new))
+            if self.size + num_new > self.capacity:
+                self._alloc(max(self._grown(), self.size + num_new))
             new_rows = torch.arange(self.size, self.size + num_new, device=self.device)
             rows[fresh] = new_rows
             self._keys[new_rows] = ids[fresh]
@@ -140,6 +160,14 @@ class WindowAccumulator:
             self._sorted_keys, order = torch.sort(keys)
             self._sorted_rows = order
         return rows
+
+    def _grown(self) -> int:
+        """The next capacity: doubled, but not past ``max_capacity``; once there (a job
+        larger than the budget), a quarter more at a time."""
+        cap, top = self.capacity, self.max_capacity
+        if top is None or 2 * cap <= top:
+            return 2 * cap
+        return top if cap < top else cap + cap // 4
 
     @torch.inference_mode()
     def add(self, tokens: TokenMoments, layers: LayerMoments) -> None:

@@ -107,6 +107,11 @@ class PairConf:
 
     ``layers`` are ``hidden_states`` indices (0 = embedding output) in increasing order;
     record layouts (see :mod:`embgeom.store.codec`) follow them.
+
+    ``window_tokens`` is the window length texts are cut into (special tokens included),
+    the model's maximum capped by the resolving worker's ``max_window_tokens``: it decides
+    counts, so every worker and adopter of the generation uses it, whatever its own
+    settings. 0 in a configuration fixed before it was pinned: each worker's own length.
     """
 
     gen: int
@@ -123,6 +128,7 @@ class PairConf:
     architecture: str = ""
     created_at: float = 0.0
     extra: dict = field(default_factory=dict)
+    window_tokens: int = 0
 
     @property
     def L(self) -> int:
@@ -153,7 +159,8 @@ class PairConf:
     @classmethod
     def resolve(cls, settings: CollectionSettings, gen: int, num_hidden_states: int,
                 hidden_size: int, vocab_size: int, shards: int, chunk_bytes: int,
-                architecture: str = "", created_at: float = 0.0) -> "PairConf":
+                architecture: str = "", created_at: float = 0.0,
+                window_tokens: int = 0) -> "PairConf":
         """The settings applied to one model; a layer the model lacks is refused."""
         layers = tuple(range(num_hidden_states)) if settings.layers is None else settings.layers
         missing = [l for l in layers if l >= num_hidden_states]
@@ -167,7 +174,7 @@ class PairConf:
                    self_similarity=settings.self_similarity, key=settings.key,
                    unit=settings.unit, include_special=settings.include_special,
                    chunks=chunk_rows(hidden_size, chunk_bytes), architecture=architecture,
-                   created_at=created_at)
+                   created_at=created_at, window_tokens=window_tokens)
 
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
