@@ -49,6 +49,9 @@ __all__ = [
     "q_m_v",
     "decomposition",
     "decomposition_from_sums",
+    "two_sum",
+    "compensated_sum",
+    "add_compensated",
     "layer_summary",
 ]
 
@@ -229,6 +232,83 @@ class WindowMoments:
     @property
     def counted(self) -> int:
         return int(self.layers.n)
+
+
+# ------------------------------------------------------------ compensated running sums
+
+def two_sum(a, b):
+    """Error-free sum (Knuth): ``s = fl(a + b)`` and ``e`` with ``a + b = s + e`` exactly.
+
+    Parameters
+    ----------
+    a, b : float64 arrays of one shape (or broadcastable).
+
+    Returns
+    -------
+    s, e : float64 arrays. Six roundings, no branch; exact whatever the magnitudes.
+    """
+    s = a + b
+    b_virtual = s - a
+    a_virtual = s - b_virtual
+    return s, (a - a_virtual) + (b - b_virtual)
+
+
+def compensated_sum(terms: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The sum of the rows of ``terms`` as an unevaluated pair ``(s, e)``.
+
+    Parameters
+    ----------
+    terms : ndarray of shape (m, ...), float64.
+
+    Returns
+    -------
+    s, e : ndarrays of shape ``terms.shape[1:]``; ``s`` is the exact sum of the rows'
+    high parts and ``s + e`` equals the exact sum up to ``4 m (m + 2) u^2 max|terms|``.
+
+    Notes
+    -----
+    Rump, Ogita & Oishi's extraction (AccSum, 2008), per column: with ``sigma = 2^k >=
+    2^ceil(log2(m + 2)) max|x_i|``, ``q_i = fl(fl(sigma + x_i) - sigma)`` and
+    ``r_i = x_i - q_i`` are exact, the q_i are multiples of one power of two whose sum
+    float64 holds, so ``sum q_i`` has no rounding at all, and only the small ``r_i``
+    (``|r_i| <= u sigma``) are summed with rounding. A few passes over the rows, in
+    cache-sized blocks: the cost of a few plain sums.
+    """
+    x = np.asarray(terms, dtype=np.float64)
+    m = x.shape[0]
+    s, e = np.zeros(x.shape[1:]), np.zeros(x.shape[1:])
+    if m == 0:
+        return s, e
+    big = np.maximum(x.max(axis=0), -x.min(axis=0))
+    _, exponent = np.frexp(big)  # big < 2**exponent
+    sigma = np.where(big > 0, np.ldexp(1.0, exponent + int(np.ceil(np.log2(m + 2)))), 0.0)
+    # Blocks of rows whose temporaries stay in cache (a speed choice only: every partial
+    # sum of the q_i is exact, so the blocking changes no bit of ``s``).
+    q = np.empty((min(m, _BLOCK),) + x.shape[1:])
+    r = np.empty_like(q)
+    for i in range(0, m, _BLOCK):
+        block = x[i:i + _BLOCK]
+        qb = np.add(block, sigma, out=q[:block.shape[0]])
+        qb -= sigma
+        s += qb.sum(axis=0)
+        e += np.subtract(block, qb, out=r[:block.shape[0]]).sum(axis=0)
+    return s, e
+
+
+_BLOCK = 128
+
+
+def add_compensated(total: np.ndarray, comp: np.ndarray, s: np.ndarray, e: np.ndarray):
+    """A running sum kept as ``(total, comp)`` plus a delta ``(s, e)``, renormalised.
+
+    Returns ``(total', comp')`` with ``total' + comp' = total + comp + s + e`` up to
+    ``u^2 |total|`` and ``total' = fl(total' + comp')``: the stored ``total`` is the
+    correctly rounded running sum (a reader may ignore ``comp``), and ``comp`` carries
+    what float64 cannot hold, so add/subtract updates do not drift with their number
+    (Neumaier 1974, in the renormalised double-double form).
+    """
+    t, err = two_sum(total, s)
+    return two_sum(t, comp + (err + e))
 
 
 # ----------------------------------------------------------------------- count buckets

@@ -30,6 +30,8 @@ natural scale of an absolute error on ``V`` (or ``m2 / n``) is ``Q = mean ||x||^
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
@@ -41,7 +43,9 @@ from embgeom.stats import (
     aligned_buckets,
     bucket_index,
     bucket_sums,
+    add_compensated,
     chan_merge,
+    compensated_sum,
     decomposition,
     decomposition_from_sums,
     layer_summary,
@@ -51,6 +55,7 @@ from embgeom.stats import (
 
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 REL = 1e-9  # see module docstring
+U = 2.0**-53  # float64 unit roundoff
 
 # --------------------------------------------------------------------------- references
 
@@ -582,3 +587,52 @@ def test_filtered_decomposition_from_bucket_sums_equals_two_pass(seed, k, L, d, 
         scale_q = ref["Q"]
         for key in ("Q", "M", "V", "V_W", "V_B"):
             assert abs(got[key] - ref[key]) <= 1e-9 * scale_q, key
+
+
+# ------------------------------------------------------------------- exact running sums
+
+def exact(x) -> Fraction:
+    return Fraction(float(x))
+
+
+@FAST
+@given(seed=st.integers(0, 2**32 - 1), m=st.integers(1, 200), D=st.integers(1, 4),
+       spread=st.integers(0, 40), cancel=st.booleans())
+def test_compensated_sum_is_exact_to_u_squared(seed, m, D, spread, cancel):
+    """``s + e`` is the exact sum (rationals) up to ``4 m (m + 2) u^2 max|x|``, over
+    magnitudes spread across 1e40 and sums that cancel to 0; a plain sum is off by
+    ~u max|x| there."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((m, D)) * 10.0 ** rng.integers(-spread // 2 - 1, spread // 2 + 1, (m, D))
+    if cancel:
+        x = np.concatenate([x, -x[rng.permutation(m)]])
+    s, e = compensated_sum(x)
+    rows = x.shape[0]
+    for j in range(D):
+        truth = sum(exact(v) for v in x[:, j])
+        bound = 4 * rows * (rows + 2) * U**2 * float(np.abs(x[:, j]).max())
+        assert abs(exact(s[j]) + exact(e[j]) - truth) <= Fraction(bound)
+
+
+@FAST
+@given(seed=st.integers(0, 2**32 - 1), steps=st.integers(1, 400), offset=st.sampled_from([0.0, 1e3, 1e8]))
+def test_running_sum_add_and_remove_has_no_drift(seed, steps, offset):
+    """Add and later remove the same float64 terms through :func:`add_compensated`: the
+    total always rounds the exact running sum (|total - exact| <= u |exact| + u^2 of the
+    largest total seen), and returns to exactly the rounding of what is left."""
+    rng = np.random.default_rng(seed)
+    live: list[np.ndarray] = []
+    total, comp = np.zeros(3), np.zeros(3)
+    biggest = 0.0
+    for _ in range(steps):
+        if live and rng.random() < 0.45:
+            out = live.pop(int(rng.integers(len(live))))
+            total, comp = add_compensated(total, comp, *compensated_sum(-out[None]))
+        else:
+            term = offset + rng.standard_normal(3) * 10.0 ** rng.integers(-3, 4)
+            live.append(term)
+            total, comp = add_compensated(total, comp, *compensated_sum(term[None]))
+        biggest = max(biggest, float(np.abs(total).max()))
+    for j in range(3):
+        truth = sum((exact(t[j]) for t in live), Fraction(0))
+        assert abs(exact(total[j]) - truth) <= Fraction(U) * abs(truth) + Fraction(16 * steps * U * U * biggest)
