@@ -24,7 +24,8 @@ import numpy as np
 from embgeom import diagnostics
 from embgeom.compute.positions import canonical_token, is_word_key, lookup_key, token_markers
 from embgeom.errors import InvalidInput, NotFound
-from embgeom.stats import aligned_buckets, decomposition, decomposition_from_sums, layer_summary
+from embgeom.stats import (aligned_buckets, decomposition, decomposition_from_sums,
+                           decomposition_from_totals, layer_summary)
 from embgeom.store.keys import PairKeys
 from embgeom.store.reader import PairState, Plan, Reader
 
@@ -71,7 +72,7 @@ def _none_if_nan(x) -> Optional[float]:
 
 def _empty_decomposition(layer: int) -> dict:
     return {"layer": layer, "n": 0, "num_types": 0,
-            "Q": None, "M": None, "V": None, "V_W": None, "V_B": None}
+            "Q": None, "M": None, "V": None, "V_W": None, "V_B": None, "V_B_error": None}
 
 
 def _positions(state: PairState, layers: Sequence[int]) -> list[int]:
@@ -134,7 +135,7 @@ def layer_rows(reader: Reader, pair: PairKeys, layers: Optional[Sequence[int]],
         heads = yield from reader.heads(state)
         aggs = yield from reader.aggs(state)
         for layer, pos in zip(layers, positions):
-            rows[layer] = _from_heads(layer, pos, heads, aggs)
+            rows[layer] = _from_heads(layer, pos, heads, aggs, state.conf.shards)
     else:
         keep = count_filter.mask(scal.n)
         buckets = aligned_buckets(count_filter.min_count, count_filter.max_count)
@@ -144,7 +145,8 @@ def layer_rows(reader: Reader, pair: PairKeys, layers: Optional[Sequence[int]],
             for i, (layer, pos) in enumerate(zip(layers, positions)):
                 dec = decomposition_from_sums(
                     float(n_k.sum()), sums["vector"][i], float(scal.m2[keep, pos].sum()),
-                    float(n_k @ scal.M[keep, pos]), int(keep.sum()))
+                    float(n_k @ scal.M[keep, pos]), int(keep.sum()),
+                    parts=state.conf.shards * len(buckets))  # partial sums read and added
                 rows[layer] = {"layer": layer, **dec}
         else:
             ids, n, m2, mean = yield from reader.means(state, positions, keep=count_filter.mask)
@@ -162,17 +164,14 @@ def layer_rows(reader: Reader, pair: PairKeys, layers: Optional[Sequence[int]],
     return [rows[l] for l in layers], state.as_of()
 
 
-def _from_heads(layer: int, pos: int, heads: dict, aggs: dict) -> dict:
+def _from_heads(layer: int, pos: int, heads: dict, aggs: dict, parts: int) -> dict:
     """O(d): Q = m2/n + ||mean||^2; V_W = sum_t m2_t / n; V_B = V - V_W."""
     n = heads["n"]
     if n == 0:
         return _empty_decomposition(layer)
-    mean = heads["mean"][pos]
-    M = float(mean @ mean)
-    V = float(heads["m2"][pos]) / n
-    V_W = float(aggs["within"][pos]) / n
-    return {"layer": layer, "n": int(n), "num_types": aggs["types"],
-            "Q": M + V, "M": M, "V": V, "V_W": V_W, "V_B": V - V_W}
+    return {"layer": layer, **decomposition_from_totals(
+        n, heads["mean"][pos], float(heads["m2"][pos]), float(aggs["within"][pos]),
+        aggs["types"], parts=parts)}
 
 
 # ------------------------------------------------------------------- tokens

@@ -49,8 +49,20 @@ __all__ = [
     "q_m_v",
     "decomposition",
     "decomposition_from_sums",
+    "decomposition_from_totals",
+    "two_sum",
+    "compensated_sum",
+    "add_compensated",
     "layer_summary",
 ]
+
+# Unit roundoff of float64 (half the machine epsilon): |fl(a op b) - a op b| <= U |a op b|.
+U = float(np.finfo(np.float64).eps) / 2
+
+
+def _gamma(m: int) -> float:
+    """Higham's ``gamma_m = m u / (1 - m u)``: the relative error bound of m roundings."""
+    return m * U / (1.0 - m * U)
 
 
 def _float(x):
@@ -231,6 +243,83 @@ class WindowMoments:
         return int(self.layers.n)
 
 
+# ------------------------------------------------------------ compensated running sums
+
+def two_sum(a, b):
+    """Error-free sum (Knuth): ``s = fl(a + b)`` and ``e`` with ``a + b = s + e`` exactly.
+
+    Parameters
+    ----------
+    a, b : float64 arrays of one shape (or broadcastable).
+
+    Returns
+    -------
+    s, e : float64 arrays. Six roundings, no branch; exact whatever the magnitudes.
+    """
+    s = a + b
+    b_virtual = s - a
+    a_virtual = s - b_virtual
+    return s, (a - a_virtual) + (b - b_virtual)
+
+
+def compensated_sum(terms: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The sum of the rows of ``terms`` as an unevaluated pair ``(s, e)``.
+
+    Parameters
+    ----------
+    terms : ndarray of shape (m, ...), float64.
+
+    Returns
+    -------
+    s, e : ndarrays of shape ``terms.shape[1:]``; ``s`` is the exact sum of the rows'
+    high parts and ``s + e`` equals the exact sum up to ``4 m (m + 2) u^2 max|terms|``.
+
+    Notes
+    -----
+    Rump, Ogita & Oishi's extraction (AccSum, 2008), per column: with ``sigma = 2^k >=
+    2^ceil(log2(m + 2)) max|x_i|``, ``q_i = fl(fl(sigma + x_i) - sigma)`` and
+    ``r_i = x_i - q_i`` are exact, the q_i are multiples of one power of two whose sum
+    float64 holds, so ``sum q_i`` has no rounding at all, and only the small ``r_i``
+    (``|r_i| <= u sigma``) are summed with rounding. A few passes over the rows, in
+    cache-sized blocks: the cost of a few plain sums.
+    """
+    x = np.asarray(terms, dtype=np.float64)
+    m = x.shape[0]
+    s, e = np.zeros(x.shape[1:]), np.zeros(x.shape[1:])
+    if m == 0:
+        return s, e
+    big = np.maximum(x.max(axis=0), -x.min(axis=0))
+    _, exponent = np.frexp(big)  # big < 2**exponent
+    sigma = np.where(big > 0, np.ldexp(1.0, exponent + int(np.ceil(np.log2(m + 2)))), 0.0)
+    # Blocks of rows whose temporaries stay in cache (a speed choice only: every partial
+    # sum of the q_i is exact, so the blocking changes no bit of ``s``).
+    q = np.empty((min(m, _BLOCK),) + x.shape[1:])
+    r = np.empty_like(q)
+    for i in range(0, m, _BLOCK):
+        block = x[i:i + _BLOCK]
+        qb = np.add(block, sigma, out=q[:block.shape[0]])
+        qb -= sigma
+        s += qb.sum(axis=0)
+        e += np.subtract(block, qb, out=r[:block.shape[0]]).sum(axis=0)
+    return s, e
+
+
+_BLOCK = 128
+
+
+def add_compensated(total: np.ndarray, comp: np.ndarray, s: np.ndarray, e: np.ndarray):
+    """A running sum kept as ``(total, comp)`` plus a delta ``(s, e)``, renormalised.
+
+    Returns ``(total', comp')`` with ``total' + comp' = total + comp + s + e`` up to
+    ``u^2 |total|`` and ``total' = fl(total' + comp')``: the stored ``total`` is the
+    correctly rounded running sum (a reader may ignore ``comp``), and ``comp`` carries
+    what float64 cannot hold, so add/subtract updates do not drift with their number
+    (Neumaier 1974, in the renormalised double-double form).
+    """
+    t, err = two_sum(total, s)
+    return two_sum(t, comp + (err + e))
+
+
 # ----------------------------------------------------------------------- count buckets
 
 # Lower edges of the token-count buckets. A token type with n_t occurrences is in bucket
@@ -321,6 +410,11 @@ def q_m_v(n, mean, m2):
     return M + V, M, V
 
 
+def _empty() -> dict:
+    return {"n": 0, "num_types": 0, "Q": None, "M": None, "V": None, "V_W": None, "V_B": None,
+            "V_B_error": None}
+
+
 def decomposition(n_t, mean_t, m2_t) -> dict:
     """Global decomposition ``Q(X) = M(X) + V_W(X) + V_B(X)`` over token types.
 
@@ -332,38 +426,46 @@ def decomposition(n_t, mean_t, m2_t) -> dict:
 
     Returns
     -------
-    dict with ``n``, ``num_types``, ``Q``, ``M``, ``V``, ``V_W``, ``V_B`` (floats; None
-    when there is no embedding).
+    dict with ``n``, ``num_types``, ``Q``, ``M``, ``V``, ``V_W``, ``V_B`` and
+    ``V_B_error`` (floats; None when there is no embedding).
 
     Notes
     -----
     ``mu = sum n_t mu_t / n``; ``V_W = sum m2_t / n``; ``V_B = sum n_t ||mu_t - mu||^2 / n``
     (two-pass, no cancellation); ``M = ||mu||^2``; ``V = V_W + V_B``; ``Q = M + V``.
+    ``V_B_error`` bounds the rounding of V_B: each difference ``mu_t - mu`` is rounded
+    relatively, and the error of the computed ``mu`` (k products, k - 1 additions and a
+    division: at most ``gamma_{k+1} sqrt(A)``, ``A = sum n_t ||mu_t||^2 / n``) raises V_B
+    by its square only, so ``|error| <= gamma_{d+k+3} V_B + gamma_{k+1}^2 A``.
     """
     n_t = np.asarray(n_t, dtype=np.float64)
     n = float(n_t.sum())
     k = int(n_t.shape[0])
     if n == 0:
-        return {"n": 0, "num_types": 0, "Q": None, "M": None, "V": None, "V_W": None, "V_B": None}
+        return _empty()
     mu = (n_t[:, None] * mean_t).sum(axis=0) / n
     dev = mean_t - mu
     v_b = float((n_t * np.einsum("ki,ki->k", dev, dev)).sum() / n)
     v_w = float(np.sum(m2_t) / n)
     m = float(mu @ mu)
+    a = float((n_t * np.einsum("ki,ki->k", mean_t, mean_t)).sum() / n)
+    d = int(np.shape(mean_t)[-1])
     return {
         "n": int(n), "num_types": k,
         "Q": m + v_w + v_b, "M": m, "V": v_w + v_b, "V_W": v_w, "V_B": v_b,
+        "V_B_error": _gamma(d + k + 3) * v_b + _gamma(k + 1) ** 2 * a,
     }
 
 
 def decomposition_from_sums(n: float, vector_sum: np.ndarray, sum_m2: float, sum_nM: float,
-                            num_types: int) -> dict:
+                            num_types: int, parts: int = 1) -> dict:
     """The decomposition over a set of token types from its sums (no per-type means).
 
     Parameters
     ----------
     n : ``sum n_t`` over the types; ``vector_sum`` : ndarray (d,), ``sum n_t mu_t``;
-    ``sum_m2`` : ``sum m2_t``; ``sum_nM`` : ``sum n_t ||mu_t||^2``; ``num_types`` : k.
+    ``sum_m2`` : ``sum m2_t``; ``sum_nM`` : ``sum n_t ||mu_t||^2``; ``num_types`` : k;
+    ``parts`` : how many stored partial sums ``vector_sum`` was added from (shards).
 
     Returns
     -------
@@ -371,19 +473,65 @@ def decomposition_from_sums(n: float, vector_sum: np.ndarray, sum_m2: float, sum
 
     Notes
     -----
-    ``mu = vector_sum / n; M = ||mu||^2; V_W = sum_m2 / n;
-    V_B = sum_nM / n - M`` (the between-type variance as a difference of two means of
-    squares: its absolute error is about eps * (M + V_B), negligible next to Q, though not
-    relative to V_B when the types' means all coincide); ``Q = M + V_W + V_B``.
+    ``mu = vector_sum / n; M = ||mu||^2; V_W = sum_m2 / n; A = sum_nM / n;
+    V_B = A - M``: the between-type variance as a difference of two means of squares,
+    the only form the sums allow. It is not clamped: when the types' means nearly
+    coincide (``V_B << M``) the difference cancels, and ``V_B_error`` says by how much.
+    With every ``||mu_t||^2`` a length-d dot product, their weighted sum over k types, and
+    ``vector_sum`` correctly rounded per part then summed over ``parts`` (each of its
+    components off by at most ``gamma_{parts+1} sum n_t |mu_t,i|``, whose norm over i is
+    at most ``n sqrt(A)``), ``|V_B - V_B_exact| <= gamma_{d+k+parts+3} (A + M)``.
+    A negative V_B is within that bound of 0 (and rounding only).
     """
     if n == 0:
-        return {"n": 0, "num_types": 0, "Q": None, "M": None, "V": None, "V_W": None, "V_B": None}
+        return _empty()
     mu = np.asarray(vector_sum, dtype=np.float64) / n
     m = float(mu @ mu)
     v_w = float(sum_m2) / n
-    v_b = max(float(sum_nM) / n - m, 0.0)
+    a = float(sum_nM) / n
+    v_b = a - m
+    bound = _gamma(int(mu.shape[-1]) + int(num_types) + int(parts) + 3) * (a + m)
     return {"n": int(n), "num_types": int(num_types),
-            "Q": m + v_w + v_b, "M": m, "V": v_w + v_b, "V_W": v_w, "V_B": v_b}
+            "Q": m + v_w + v_b, "M": m, "V": v_w + v_b, "V_W": v_w, "V_B": v_b,
+            "V_B_error": bound}
+
+
+def decomposition_from_totals(n: float, mean: np.ndarray, m2: float, within: float,
+                              num_types: int, parts: int = 1) -> dict:
+    """The unfiltered decomposition in O(d) from the layer's moments and the within sum.
+
+    Parameters
+    ----------
+    n : embeddings of the layer; ``mean`` : ndarray (d,), their mean; ``m2`` :
+    ``sum ||x - mean||^2`` (the layer head); ``within`` : ``sum_t m2_t`` over every type,
+    added from ``parts`` stored partial sums; ``num_types`` : k.
+
+    Returns
+    -------
+    dict as :func:`decomposition`.
+
+    Notes
+    -----
+    ``M = ||mean||^2; V = m2 / n; V_W = within / n; V_B = V - V_W``: a difference,
+    cancelling when the types' means nearly coincide (``V_B << V_W``). Both operands are
+    sums of at most n non-negative terms (per-embedding squares, Chan cross terms) added
+    over ``parts``, each of relative error at most ``gamma_{d+n+parts+4}``; the Chan
+    merges also subtract means (``delta = mb - ma``, off by ``u (|ma| + |mb|)``), which
+    adds at most ``4 u sqrt(d Q m2 n log2(n + 1)) / n`` per operand, with
+    ``Q = M + V`` standing for the squared norm of the means merged. ``V_B_error`` is the
+    sum of both for ``V`` and ``V_W``: first order, an estimate of the worst case.
+    """
+    if n == 0:
+        return _empty()
+    mean = np.asarray(mean, dtype=np.float64)
+    m = float(mean @ mean)
+    v = float(m2) / n
+    v_w = float(within) / n
+    d = int(mean.shape[-1])
+    chan = 4 * U * np.sqrt(d * (m + v) * np.log2(n + 1)) * (np.sqrt(v) + np.sqrt(v_w))
+    bound = _gamma(d + int(n) + int(parts) + 4) * (v + v_w) + float(chan)
+    return {"n": int(n), "num_types": int(num_types),
+            "Q": m + v, "M": m, "V": v, "V_W": v_w, "V_B": v - v_w, "V_B_error": bound}
 
 
 def _least_squares(x: np.ndarray, y: np.ndarray) -> tuple[float | None, float | None]:

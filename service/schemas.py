@@ -231,6 +231,10 @@ class DecompositionFields(BaseModel):
     V: Optional[float]
     V_W: Optional[float]
     V_B: Optional[float]
+    V_B_error: Optional[float] = Field(
+        None, description="Bound on the rounding error of V_B (absolute): V_B is a difference "
+                          "that cancels when the token types' means nearly coincide; it is "
+                          "not clamped, so a |V_B| under V_B_error is 0 within rounding")
     min_count: int = 1
     max_count: Optional[int] = None
 

@@ -10,8 +10,13 @@ after a take-over), a worker driven step by step in this process.
 
 The yardstick is a reference run: the same jobs through one worker with no fault. A
 faulty run must give exactly the same per-token counts at every layer (the whole
-``/tokens`` listing, walked with its cursor), the same values within 1e-5 relative, and
-the same ``/layers``.
+``/tokens`` listing, walked with its cursor), the same values and self-similarities
+within 1e-5 relative, and the same ``/layers``, unfiltered and filtered by count
+(``min_count`` 2 and 10: the count buckets' vector sums). Each run, faulty or not, is
+also checked against the independent reference of ``tests/reference.py`` (the model
+run one text at a time, two-pass float64 over the raw hidden states) with the
+tolerances of ``tests/test_e2e_minilm.py``: per-token counts exact, per-token values and
+decompositions within 1e-4 of Q, self-similarity within 1e-4.
 """
 
 from __future__ import annotations
@@ -26,17 +31,21 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 import httpx
+import numpy as np
 import pytest
 import redis
+import torch
 from fastapi.testclient import TestClient
 
 from embgeom.store import keys as K
 from embgeom.corpora import bbc_texts
 from embgeom.compute.models import ModelPool, ModelRegistry
 from embgeom.store.jobs import JobQueue, JobRequest
+from embgeom.sources import minilm_path
 from embgeom.store.server import RedisServer, free_port
 from embgeom.worker import Worker, live_workers, redis_client
 from service.app import create_app
+from tests import reference as R
 from tests.conftest import ServiceProcess, WorkerThread, wait_for_jobs, wait_ready
 from tests.conftest import test_settings as settings_for
 
@@ -45,6 +54,8 @@ NUM_LAYERS = 7  # MiniLM: embedding output + 6 blocks
 JOBS = 12
 TEXTS_PER_JOB = 50
 REL_TOL = 1e-5
+RAW_TOL = 1e-4  # against the raw hidden states: float32 forward noise (test_e2e_minilm.py)
+FILTERS = (1, 2, 10)  # min_count of the /layers compared: 2 and 10 read the bucket sums
 # Small forward batches: a job runs in a dozen batches, so it is seen "running" with
 # 0 < progress < 1 and a signal can land in its middle. (Windows of at most 128 tokens;
 # the paragraphs used are shorter, so no text is cut.)
@@ -193,7 +204,8 @@ def wait_running(client, job_ids, timeout: float = 180, below: float = 1.0) -> d
 
 
 def walk_tokens(client, collection: str, layer: int, page: int = 2000) -> dict[int, tuple]:
-    """Every token of a layer, walked page by page with the cursor: id -> (n, Q, M, V)."""
+    """Every token of a layer, walked page by page with the cursor: id -> (n, Q, M, V,
+    self-similarity)."""
     out: dict[int, tuple] = {}
     cursor = None
     while True:
@@ -206,7 +218,7 @@ def walk_tokens(client, collection: str, layer: int, page: int = 2000) -> dict[i
         body = r.json()
         for t in body["tokens"]:
             assert t["token_id"] not in out, "a token served twice across pages"
-            out[t["token_id"]] = (t["n"], t["Q"], t["M"], t["V"])
+            out[t["token_id"]] = (t["n"], t["Q"], t["M"], t["V"], t["self_similarity"])
         cursor = body["next_cursor"]
         if cursor is None:
             assert len(out) == body["total"]
@@ -214,11 +226,16 @@ def walk_tokens(client, collection: str, layer: int, page: int = 2000) -> dict[i
 
 
 def snapshot(client, collection: str) -> dict:
-    r = client.get(f"/v1/collections/{collection}/models/{MODEL}/layers")
-    assert r.status_code == 200, r.text
-    layers = r.json()["layers"]
-    assert len(layers) == NUM_LAYERS
-    return {"layers": layers, "tokens": {l: walk_tokens(client, collection, l) for l in range(NUM_LAYERS)}}
+    """/layers for each count filter of FILTERS, and every token of every layer."""
+    layers = {}
+    for min_count in FILTERS:
+        r = client.get(f"/v1/collections/{collection}/models/{MODEL}/layers",
+                       params={"min_count": min_count})
+        assert r.status_code == 200, r.text
+        layers[min_count] = r.json()["layers"]
+        assert len(layers[min_count]) == NUM_LAYERS
+    return {"layers": layers[1], "filtered": layers,
+            "tokens": {l: walk_tokens(client, collection, l) for l in range(NUM_LAYERS)}}
 
 
 def _rel(a: float, b: float, scale: float) -> float:
@@ -237,15 +254,62 @@ def compare(ref: dict, got: dict) -> dict:
         bad = {t: (a[t][0], b[t][0]) for t in a if a[t][0] != b[t][0]}
         assert not bad, f"layer {layer}: counts differ for {len(bad)} tokens, e.g. {list(bad.items())[:5]}"
         for t, (n, *vals) in a.items():
-            for x, y in zip(vals, b[t][1:]):
+            for x, y in zip(vals[:3], b[t][1:4]):
                 worst["token_values"] = max(worst["token_values"], _rel(x, y, abs(vals[0])))
-    for ra, rb in zip(ref["layers"], got["layers"]):
-        assert ra["layer"] == rb["layer"]
-        assert ra["n"] == rb["n"] and ra["num_types"] == rb["num_types"], (ra, rb)
-        for field in ("Q", "M", "V", "V_W", "V_B", "cv_Q", "slope", "r2"):
-            worst["layer_values"] = max(worst["layer_values"], _rel(ra[field], rb[field], abs(ra["Q"])))
+            assert (vals[3] is None) == (b[t][4] is None), (layer, t)
+            if vals[3] is not None:  # self-similarity, in [-1, 1]
+                worst["token_values"] = max(worst["token_values"], abs(vals[3] - b[t][4]))
+    for min_count in FILTERS:
+        for ra, rb in zip(ref["filtered"][min_count], got["filtered"][min_count]):
+            assert ra["layer"] == rb["layer"]
+            assert ra["n"] == rb["n"] and ra["num_types"] == rb["num_types"], (ra, rb)
+            for field in ("Q", "M", "V", "V_W", "V_B", "cv_Q", "slope", "r2"):
+                worst["layer_values"] = max(worst["layer_values"],
+                                            _rel(ra[field], rb[field], abs(ra["Q"])))
     assert worst["token_values"] <= REL_TOL, worst
     assert worst["layer_values"] <= REL_TOL, worst
+    return worst
+
+
+def raw_self_similarity(ids: np.ndarray, X: np.ndarray) -> dict[int, Optional[float]]:
+    """Per token type, the mean cosine over its distinct pairs of occurrences, from the
+    pairwise cosine matrix of its raw states (None for a type seen once)."""
+    U = X.astype(np.float64) / np.linalg.norm(X.astype(np.float64), axis=1, keepdims=True)
+    out: dict[int, Optional[float]] = {}
+    for t in np.unique(ids):
+        u = U[ids == t]
+        n = u.shape[0]
+        cos = u @ u.T
+        out[int(t)] = None if n < 2 else float((cos.sum() - np.trace(cos)) / (n * (n - 1)))
+    return out
+
+
+def compare_raw(raw, got: dict) -> dict:
+    """A snapshot against the raw hidden states (tests/reference.py): per-token counts
+    exact, per-token Q, M, V within RAW_TOL of Q_t and self-similarity within RAW_TOL,
+    each filtered /layers within RAW_TOL of Q. Returns the max errors."""
+    worst = {"token_values": 0.0, "self_similarity": 0.0, "layer_values": 0.0}
+    for layer in range(NUM_LAYERS):
+        X = raw.states[layer]
+        ref = R.token_stats(raw.ids, X)
+        sims = raw_self_similarity(raw.ids, X)
+        listed = got["tokens"][layer]
+        assert sorted(listed) == ref["ids"].tolist(), f"layer {layer}: token sets differ"
+        for j, t in enumerate(ref["ids"].tolist()):
+            n, Q, M, V, sim = listed[t]
+            assert n == ref["n"][j], (layer, t, n, ref["n"][j])
+            for x, y in ((Q, ref["Q"][j]), (M, ref["M"][j]), (V, ref["V"][j])):
+                worst["token_values"] = max(worst["token_values"], abs(x - y) / ref["Q"][j])
+            assert (sim is None) == (sims[t] is None), (layer, t, sim, sims[t])
+            if sim is not None:
+                worst["self_similarity"] = max(worst["self_similarity"], abs(sim - sims[t]))
+        for min_count in FILTERS:
+            want = R.decomposition(raw.ids, X, min_count=min_count)
+            row = got["filtered"][min_count][layer]
+            assert (row["n"], row["num_types"]) == (want["n"], want["num_types"]), (layer, min_count)
+            for q in ("Q", "M", "V", "V_W", "V_B"):
+                worst["layer_values"] = max(worst["layer_values"], abs(row[q] - want[q]) / want["Q"])
+    assert all(v <= RAW_TOL for v in worst.values()), worst
     return worst
 
 
@@ -330,8 +394,21 @@ def tokenizer(registry):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, tokenizer) -> dict:
-    """The yardstick: every job through one worker process, no fault."""
+def raw():
+    """The independent reference: MiniLM run on every text of JOB_TEXTS one at a time,
+    its raw hidden states (tests/reference.py)."""
+    from transformers import AutoModel, AutoTokenizer
+
+    path = str(minilm_path())
+    model = AutoModel.from_pretrained(path, dtype=torch.float32).eval()
+    return R.raw_hidden_states(model, AutoTokenizer.from_pretrained(path),
+                               [t for texts in JOB_TEXTS for t in texts])
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, tokenizer, raw) -> dict:
+    """The yardstick: every job through one worker process, no fault, itself checked
+    against the raw hidden states."""
     tmp = tmp_path_factory.mktemp("reference")
     with redis_at(tmp / "redis") as server, fleet(server.url, tmp) as fl, api(server.url) as client:
         fl.start()
@@ -343,6 +420,7 @@ def reference(tmp_path_factory, tokenizer) -> dict:
     for texts in JOB_TEXTS:
         want += expected_counts(tokenizer, texts)
     assert Counter({t: v[0] for t, v in snap["tokens"][0].items()}) == want
+    print("reference run against the raw states:", compare_raw(raw, snap))
     snap["job_tokens"] = [s["tokens"] for s in final]
     return snap
 
@@ -383,7 +461,7 @@ def take(worker: Worker, timeout: float = 10):
 # --------------------------------------------------------------------------------- tests
 
 
-def test_three_workers_match_one_worker(server, tmp_path, reference):
+def test_three_workers_match_one_worker(server, tmp_path, reference, raw):
     port = free_port()
     serve = ServiceProcess(["serve", "--port", str(port), "--redis-url", server.url],
                            env=WORKER_ENV, log_path=tmp_path / "serve.log").start()
@@ -399,13 +477,15 @@ def test_three_workers_match_one_worker(server, tmp_path, reference):
             assert all(s["status"] == "done" for s in final), final
             assert len({s["worker"] for s in final}) >= 2, "the jobs were not shared out"
             assert [s["tokens"] for s in final] == reference["job_tokens"]
-            compare(reference, snapshot(client, "three"))
+            snap = snapshot(client, "three")
+            compare(reference, snap)
+            compare_raw(raw, snap)
             assert stream_state(redis.Redis.from_url(server.url)) == (0, 0)
     finally:
         serve.terminate()
 
 
-def test_worker_sigkill_mid_job_counts_once(server, tmp_path, reference):
+def test_worker_sigkill_mid_job_counts_once(server, tmp_path, reference, raw):
     with fleet(server.url, tmp_path) as fl, api(server.url) as client:
         fl.start(), fl.start()
         wait_workers(client, 2, fl=fl)
@@ -419,7 +499,9 @@ def test_worker_sigkill_mid_job_counts_once(server, tmp_path, reference):
         if at_kill["status"] != "done":  # it was not committed before the kill: taken over
             done = client.get(f"/v1/jobs/{victim['job_id']}").json()
             assert done["attempts"] >= 2 and done["worker"] != victim["worker"], done
-        compare(reference, snapshot(client, "killed"))
+        snap = snapshot(client, "killed")
+        compare(reference, snap)
+        compare_raw(raw, snap)
         assert stream_state(redis.Redis.from_url(server.url)) == (0, 0)
 
 
@@ -509,7 +591,7 @@ def test_stale_worker_is_fenced(server, pool, tokenizer):
         assert_counted_once(client, rdb, "fenced", SMALL, tokenizer)
 
 
-def test_redis_restart_with_jobs_in_flight(tmp_path, reference):
+def test_redis_restart_with_jobs_in_flight(tmp_path, reference, raw):
     data = tmp_path / "redis"
     port = free_port()
     server = RedisServer(data, port=port).start(timeout=120)
@@ -540,7 +622,9 @@ def test_redis_restart_with_jobs_in_flight(tmp_path, reference):
             final = wait_for_jobs(client, ids, timeout=900)
             assert all(s["status"] == "done" for s in final), (final, fl.logs())
             assert sorted(fl.alive()) == ["w1", "w2"], "a worker did not survive the outage"
-            compare(reference, snapshot(client, "restart"))
+            snap = snapshot(client, "restart")
+            compare(reference, snap)
+            compare_raw(raw, snap)
             rdb = redis.Redis.from_url(server.url)
             assert done_jobs(rdb, "restart") == JOBS
             assert stream_state(rdb) == (0, 0)

@@ -30,6 +30,8 @@ natural scale of an absolute error on ``V`` (or ``m2 / n``) is ``Q = mean ||x||^
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
@@ -41,9 +43,12 @@ from embgeom.stats import (
     aligned_buckets,
     bucket_index,
     bucket_sums,
+    add_compensated,
     chan_merge,
+    compensated_sum,
     decomposition,
     decomposition_from_sums,
+    decomposition_from_totals,
     layer_summary,
     moments_of_points,
     q_m_v,
@@ -51,6 +56,7 @@ from embgeom.stats import (
 
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 REL = 1e-9  # see module docstring
+U = 2.0**-53  # float64 unit roundoff
 
 # --------------------------------------------------------------------------- references
 
@@ -561,7 +567,10 @@ def test_aligned_buckets_are_exactly_the_filter(lo, hi, aligned):
        d=st.integers(1, 6), offset=OFFSETS, scale=SCALES)
 def test_filtered_decomposition_from_bucket_sums_equals_two_pass(seed, k, L, d, offset, scale):
     """The bucket path (no per-type means read) agrees with the two-pass decomposition
-    over the same kept types, within eps * (M + V_B) (its documented error bound)."""
+    over the same kept types. Each value within its own scale: V_W relative to itself,
+    M and V_B within the bound V_B_error states (``gamma (A + M)``, the cancellation of
+    ``A - M``), Q and V within both. Not ``1e-9 Q``: on offset 100, scale 1e-3 data,
+    V_B / Q ~ 1e-10 and such a tolerance passes any V_B."""
     rng = np.random.default_rng(seed)
     n = rng.integers(1, 3000, size=k)
     mean = offset + scale * rng.standard_normal((k, L, d))
@@ -577,8 +586,132 @@ def test_filtered_decomposition_from_bucket_sums_equals_two_pass(seed, k, L, d, 
         got = decomposition_from_sums(float(count[sel].sum()), vector[sel, layer].sum(axis=0),
                                       float(m2[keep, layer].sum()),
                                       float(n[keep] @ np.sum(mean[keep, layer] ** 2, axis=1)),
-                                      int(types[sel].sum()))
+                                      int(types[sel].sum()), parts=len(sel))
         assert got["n"] == ref["n"] and got["num_types"] == ref["num_types"]
-        scale_q = ref["Q"]
-        for key in ("Q", "M", "V", "V_W", "V_B"):
-            assert abs(got[key] - ref[key]) <= 1e-9 * scale_q, key
+        err = got["V_B_error"] + ref["V_B_error"]
+        assert abs(got["V_W"] - ref["V_W"]) <= 1e-14 * ref["V_W"]
+        assert abs(got["V_B"] - ref["V_B"]) <= err
+        assert abs(got["M"] - ref["M"]) <= err
+        for key in ("Q", "V"):
+            assert abs(got[key] - ref[key]) <= err + 1e-14 * ref[key], key
+
+
+# ------------------------------------------------------- exact sums and V_B's error bound
+
+def exact(x) -> Fraction:
+    return Fraction(float(x))
+
+
+def exact_between(n_t, mean_t) -> Fraction:
+    """V_B over types, in exact rationals from the float64 inputs."""
+    n = sum(int(c) for c in n_t)
+    d = mean_t.shape[1]
+    mu = [sum(int(c) * exact(m[i]) for c, m in zip(n_t, mean_t)) / n for i in range(d)]
+    return sum(int(c) * sum((exact(m[i]) - mu[i]) ** 2 for i in range(d))
+               for c, m in zip(n_t, mean_t)) / n
+
+
+@FAST
+@given(seed=st.integers(0, 2**32 - 1), m=st.integers(1, 200), D=st.integers(1, 4),
+       spread=st.integers(0, 40), cancel=st.booleans())
+def test_compensated_sum_is_exact_to_u_squared(seed, m, D, spread, cancel):
+    """``s + e`` is the exact sum (rationals) up to ``4 m (m + 2) u^2 max|x|``, over
+    magnitudes spread across 1e40 and sums that cancel to 0; a plain sum is off by
+    ~u max|x| there."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((m, D)) * 10.0 ** rng.integers(-spread // 2 - 1, spread // 2 + 1, (m, D))
+    if cancel:
+        x = np.concatenate([x, -x[rng.permutation(m)]])
+    s, e = compensated_sum(x)
+    rows = x.shape[0]
+    for j in range(D):
+        truth = sum(exact(v) for v in x[:, j])
+        bound = 4 * rows * (rows + 2) * U**2 * float(np.abs(x[:, j]).max())
+        assert abs(exact(s[j]) + exact(e[j]) - truth) <= Fraction(bound)
+
+
+@FAST
+@given(seed=st.integers(0, 2**32 - 1), steps=st.integers(1, 400), offset=st.sampled_from([0.0, 1e3, 1e8]))
+def test_running_sum_add_and_remove_has_no_drift(seed, steps, offset):
+    """Add and later remove the same float64 terms through :func:`add_compensated`: the
+    total always rounds the exact running sum (|total - exact| <= u |exact| + u^2 of the
+    largest total seen), and returns to exactly the rounding of what is left."""
+    rng = np.random.default_rng(seed)
+    live: list[np.ndarray] = []
+    total, comp = np.zeros(3), np.zeros(3)
+    biggest = 0.0
+    for _ in range(steps):
+        if live and rng.random() < 0.45:
+            out = live.pop(int(rng.integers(len(live))))
+            total, comp = add_compensated(total, comp, *compensated_sum(-out[None]))
+        else:
+            term = offset + rng.standard_normal(3) * 10.0 ** rng.integers(-3, 4)
+            live.append(term)
+            total, comp = add_compensated(total, comp, *compensated_sum(term[None]))
+        biggest = max(biggest, float(np.abs(total).max()))
+    for j in range(3):
+        truth = sum((exact(t[j]) for t in live), Fraction(0))
+        assert abs(exact(total[j]) - truth) <= Fraction(U) * abs(truth) + Fraction(16 * steps * U * U * biggest)
+
+
+@FAST
+@given(seed=st.integers(0, 2**32 - 1), k=st.integers(1, 12), d=st.integers(1, 4),
+       offset=st.sampled_from([0.0, 1.0, 1e3, 1e6]), spread=st.sampled_from([0.0, 1e-9, 1e-4, 1.0]))
+def test_v_b_from_sums_is_unclamped_and_within_its_error_bound(seed, k, d, offset, spread):
+    """V_B = A - M from sums, against the exact V_B (rationals): the error is within
+    V_B_error whatever V_B / M (down to exactly 0, means all equal), and it is not
+    clamped: its value is A - M as computed, negative when rounding makes it so, with a
+    bound that says it is 0 within rounding."""
+    rng = np.random.default_rng(seed)
+    n = rng.integers(1, 1000, size=k)
+    mean = offset + spread * rng.standard_normal((k, d))
+    vector = np.einsum("k,kd->d", n.astype(float), mean)
+    sum_nM = float(n @ np.einsum("kd,kd->k", mean, mean))
+    got = decomposition_from_sums(float(n.sum()), vector, 0.0, sum_nM, k)
+    truth = exact_between(n, mean)
+    assert abs(exact(got["V_B"]) - truth) <= exact(got["V_B_error"])
+    mu = vector / n.sum()
+    assert got["V_B"] == sum_nM / n.sum() - float(mu @ mu)  # as computed, not clamped
+    if spread == 0.0:
+        assert truth == 0 and got["V_B_error"] >= abs(got["V_B"])
+
+
+@FAST
+@given(seed=st.integers(0, 2**32 - 1), k=st.integers(1, 12), d=st.integers(1, 4),
+       offset=st.sampled_from([0.0, 1.0, 1e3, 1e6]), spread=st.sampled_from([0.0, 1e-9, 1e-4, 1.0]))
+def test_two_pass_v_b_is_within_its_error_bound(seed, k, d, offset, spread):
+    rng = np.random.default_rng(seed)
+    n = rng.integers(1, 1000, size=k)
+    mean = offset + spread * rng.standard_normal((k, d))
+    got = decomposition(n, mean, np.zeros(k))
+    assert abs(exact(got["V_B"]) - exact_between(n, mean)) <= exact(got["V_B_error"])
+
+
+@FAST
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(2, 120), d=st.integers(1, 4),
+       k=st.integers(1, 8), offset=st.sampled_from([0.0, 1e2, 1e4]),
+       spread=st.sampled_from([0.0, 1e-6, 1e-2, 1.0]))
+def test_v_b_from_totals_is_within_its_error_bound(seed, n, d, k, offset, spread):
+    """The unfiltered V_B = V - V_W, its two m2's built as the service builds them (Chan
+    merges of parts of random sizes), against the exact V_B of the points (rationals)."""
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, k, size=n)
+    _, labels = np.unique(labels, return_inverse=True)
+    types = labels.max() + 1
+    x = offset + spread * rng.standard_normal((types, d))[labels] + rng.standard_normal((n, d))
+    # layer moments and per-type moments, each merged from single points in a random order
+    layer = (0.0, np.zeros(d), 0.0)
+    per_type = [(0.0, np.zeros(d), 0.0) for _ in range(types)]
+    for i in rng.permutation(n):
+        one = (1.0, x[i], 0.0)
+        layer = chan_merge(*layer, *one)[:3]
+        per_type[labels[i]] = chan_merge(*per_type[labels[i]], *one)[:3]
+    within = float(np.sum([p[2] for p in per_type]))
+    got = decomposition_from_totals(float(n), layer[1], float(layer[2]), within, types)
+    counts = np.bincount(labels)
+    mean_t = [[sum(exact(v) for v in x[labels == t, i]) / int(counts[t]) for i in range(d)]
+              for t in range(types)]
+    mu = [sum(exact(v) for v in x[:, i]) / n for i in range(d)]
+    truth = sum(int(counts[t]) * sum((mean_t[t][i] - mu[i]) ** 2 for i in range(d))
+                for t in range(types)) / n
+    assert abs(exact(got["V_B"]) - truth) <= exact(got["V_B_error"])

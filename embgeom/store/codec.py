@@ -8,7 +8,8 @@ Per token (``L`` kept layers, hidden size ``d``)::
     scal  [n, M_0 .. M_{L-1}, m2_0 .. m2_{L-1}]                     1 + 2 L
 
 Per shard: ``bkt`` field b ``[types, count, sum n_t mean_t per layer (L d)]`` and ``agg``
-``[types, count, within_0 .. within_{L-1}]``. Per layer part: the head segment (all
+``[types, count, within_0 .. within_{L-1}]`` (their vectors and within sums compensated:
+:mod:`embgeom.store.shards`). Per layer part: the head segment (all
 layers) ``[n, mean (d), m2, unit_sum (d), unit_sq_sum (d)]`` per layer, and a co-moment
 chunk segment ``[n, mean (d), upper-triangular rows r0..r1 of C]``.
 """

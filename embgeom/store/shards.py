@@ -37,15 +37,37 @@ import redis
 from embgeom.errors import (CheckpointRefused, CheckTooOld, EmbgeomError, GenerationDeleted,
                             StoreUnavailable)
 from embgeom.keyspace import is_word_key
-from embgeom.stats import BUCKET_EDGES, TokenMoments, bucket_index, chan_merge
+from embgeom.stats import (BUCKET_EDGES, TokenMoments, add_compensated, bucket_index, chan_merge,
+                           compensated_sum)
 from embgeom.store import codec
 from embgeom.store.conf import PairConf, shard_of
 from embgeom.store.keys import PartKeys
 from embgeom.store.scripts import APPLY_PIECE
 
-__all__ = ["ApplyStats", "ShardWriter", "pieces_of", "piece_tokens_for", "refusal"]
+__all__ = ["ApplyStats", "ShardWriter", "pieces_of", "piece_tokens_for", "refusal", "split_bkt"]
 
 NUM_BUCKETS = len(BUCKET_EDGES)
+# The running sums of ``bkt`` and ``agg`` are kept compensated: beside bucket b's row
+# (field "b", the correctly rounded sum, the layout readers know) the field "c<b>" holds
+# the part of the exact sum float64 cannot (L d floats), and "cw" that of agg's within
+# sums (L). A shard written before these fields existed has them as zeros.
+COMP_PREFIX = b"c"
+WITHIN_COMP = b"cw"
+
+
+def split_bkt(raw: dict, L: int, d: int) -> tuple[dict, dict, np.ndarray]:
+    """A shard's ``bkt`` hash (HGETALL) as ``(rows, comps, within_comp)``: bucket ->
+    float64[2 + L d], bucket -> float64[L d] (zeros where absent), float64[L]."""
+    rows = {int(b): np.frombuffer(v, dtype=codec.F64).copy() for b, v in raw.items()
+            if not b.startswith(COMP_PREFIX)}
+    comps = {b: np.zeros(L * d) for b in rows}
+    within = np.zeros(L)
+    for f, v in raw.items():
+        if f == WITHIN_COMP:
+            within = np.frombuffer(v, dtype=codec.F64).copy()
+        elif f.startswith(COMP_PREFIX):
+            comps[int(f[len(COMP_PREFIX):])] = np.frombuffer(v, dtype=codec.F64).copy()
+    return rows, comps, within
 
 # Error replies that mean "not now" rather than "never": the server is loading its data
 # or busy with a script, a cluster slot or a replica is failing over. Anything else
@@ -225,7 +247,7 @@ class ShardWriter:
             offset = 0
             agg = (np.frombuffer(st["agg"], dtype=codec.F64).copy() if st["agg"]
                    else np.zeros(2 + L))
-            bkt = {int(b): np.frombuffer(v, dtype=codec.F64).copy() for b, v in st["bkt"].items()}
+            bkt, comp, within_comp = split_bkt(st["bkt"], L, d)
             calls = []
             for p, rows in st["pieces"]:
                 span = slice(offset, offset + len(rows))
@@ -249,11 +271,17 @@ class ShardWriter:
                     _, unit_old = codec.unpack_rows(st["unit"][span], L * d)
                     unit = codec.pack_rows(unit_old + new.unit_sum.reshape(len(rows), -1))
                 # Bucket deltas: each token leaves its old bucket and enters its new one.
-                touched = self._bucket_delta(bkt, present, n_old, mean_old, n, mean, L, d)
-                agg[0] += float((~present).sum())
+                touched = self._bucket_delta(bkt, comp, present, n_old, mean_old, n, mean, L, d)
+                agg[0] += float((~present).sum())  # counts: integers, exact in float64
                 agg[1] += float(new.n.sum())
-                agg[2:] += (m2 - m2_old).sum(axis=0)
-                bkt_fields = [(str(b), memoryview(bkt[b].tobytes())) for b in sorted(touched)]
+                # sum m2_t gains each new m2 and loses the old one: both terms given to
+                # the compensated sum, so the old value leaves exactly as it entered.
+                s_old, e_old = compensated_sum(m2_old[present])
+                total, within_comp = add_compensated(agg[2:], within_comp, -s_old, -e_old)
+                agg[2:], within_comp = add_compensated(total, within_comp, *compensated_sum(m2))
+                bkt_fields = [(f, memoryview(v.tobytes())) for b in sorted(touched)
+                              for f, v in ((str(b), bkt[b]), (f"c{b}", comp[b]))]
+                bkt_fields.append((WITHIN_COMP.decode(), memoryview(within_comp.tobytes())))
                 # A hashed word key's name goes with its first record in this shard (the
                 # shard's lock makes ``present`` exact): written once, in the record's slot.
                 fresh = [int(k) for k in new.ids[~present & is_word_key(new.ids)].tolist()]
@@ -265,20 +293,28 @@ class ShardWriter:
         return writes
 
     @staticmethod
-    def _bucket_delta(bkt: dict, present, n_old, mean_old, n, mean, L, d) -> set:
+    def _bucket_delta(bkt: dict, comp: dict, present, n_old, mean_old, n, mean, L, d) -> set:
         """Move the tokens' contributions between count buckets, in place; returns the
-        buckets touched."""
-        touched = set()
+        buckets touched.
+
+        A token leaves its old bucket with ``-n_old mean_old`` and enters its new one with
+        ``n mean``: the same float64 products as when they were added (the stored means),
+        summed exactly (:func:`compensated_sum`) into the compensated running sum, so a
+        bucket's vector stays the rounded sum of its present tokens' ``n_t mean_t``
+        however many times tokens came and went."""
         b_old, b_new = bucket_index(np.maximum(n_old, 1)), bucket_index(n)
-        for sign, mask, buckets, counts, means in (
-                (-1.0, present, b_old, n_old, mean_old), (1.0, np.ones_like(present), b_new, n, mean)):
-            for b in np.unique(buckets[mask]):  # a loop over the (few) buckets, not the tokens
-                rows = mask & (buckets == b)
-                row = bkt.setdefault(int(b), np.zeros(2 + L * d))
-                row[0] += sign * rows.sum()
-                row[1] += sign * counts[rows].sum()
-                row[2:] += sign * np.einsum("k,kx->x", counts[rows], means[rows].reshape(-1, L * d))
-                touched.add(int(b))
+        touched = set(b_new.tolist()) | set(b_old[present].tolist())
+        for b in sorted(touched):  # a loop over the (few) buckets, not the tokens
+            out_rows, in_rows = present & (b_old == b), b_new == b
+            row = bkt.setdefault(b, np.zeros(2 + L * d))
+            row[0] += in_rows.sum() - out_rows.sum()
+            row[1] += n[in_rows].sum() - n_old[out_rows].sum()
+            total, c = row[2:], comp.get(b, np.zeros(L * d))
+            if out_rows.any():
+                s, e = compensated_sum(n_old[out_rows, None] * mean_old[out_rows].reshape(-1, L * d))
+                total, c = add_compensated(total, c, -s, -e)
+            s, e = compensated_sum(n[in_rows, None] * mean[in_rows].reshape(-1, L * d))
+            row[2:], comp[b] = add_compensated(total, c, s, e)
         return touched
 
     def _write(self, parts, cp, fence, checked, writes, stats) -> list[int]:
