@@ -24,7 +24,9 @@ spread over a cluster and checkpoints of different workers write them in paralle
 
     :rec      hash  key -> float64[1 + L + L d]   (n, m2 per layer, mean per layer)
     :unit     hash  key -> float64[L d]           unit-vector sums (only with self-similarity)
-    :scal     hash  key -> float64[1 + 2 L]       (n, M per layer, m2 per layer): scans
+    :scal     hash  key -> float64[1 + 3 L]       (n, M, m2, ||U||^2 per layer): scans,
+                                                     self-similarity (1 + 2 L without
+                                                     ||U||^2: see PairConf.scal_unit_norms)
     :bkt      hash  bucket -> float64[2 + L d]    (types, sum n_t, sum n_t mean_t): filters
     :agg      string float64[2 + L]               (types, sum n_t, sum m2_t per layer)
     :name     hash  key -> UTF-8 name                (hashed word keys >= 2**62 only, written
