@@ -55,7 +55,10 @@ def reference(all_keys, all_x):
     m2 = np.stack([((all_x[all_keys == i] - mean[j]) ** 2).sum((0, 2)) for j, i in enumerate(ids)])
     mu = all_x.mean(0)
     com = np.einsum("mli,mlj->lij", all_x - mu, all_x - mu)
-    return {"ids": ids, "n": n, "mean": mean, "m2": m2, "com": com, "mu": mu}
+    u = all_x / np.linalg.norm(all_x, axis=2, keepdims=True)
+    unit_norms = np.stack([(u[all_keys == i].sum(0) ** 2).sum(1) for i in ids])  # (k, L)
+    return {"ids": ids, "n": n, "mean": mean, "m2": m2, "com": com, "mu": mu,
+            "unit_norms": unit_norms}
 
 
 @pytest.fixture
@@ -114,6 +117,9 @@ def assert_matches(r, pair, ref, rel=1e-10):
     np.testing.assert_allclose(m2, ref["m2"], rtol=0, atol=rel * N * q)
     np.testing.assert_allclose(scal.m2, ref["m2"], rtol=0, atol=rel * N * q)
     np.testing.assert_allclose(scal.M, np.sum(ref["mean"] ** 2, axis=2), rtol=0, atol=rel * q)
+    if state.conf.stores_unit_norms:  # ||U||^2 <= n^2: of the merged sums, counted once
+        np.testing.assert_allclose(scal.unit_norms, ref["unit_norms"], rtol=0,
+                                   atol=rel * float(ref["n"].max()) ** 2)
     np.testing.assert_allclose(aggs["within"], ref["m2"].sum(0), rtol=0, atol=rel * N * q)
     np.testing.assert_allclose(heads["mean"], ref["mu"], rtol=0, atol=rel * np.sqrt(q))
     for p in range(L):
