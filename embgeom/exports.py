@@ -23,7 +23,7 @@ Columns, in order:
 Rows are ordered by ``token_id``. Every value equals what the JSON token endpoints
 answer, bit for bit: ``n, Q, M, V`` come from one read of the per-token scalars (the
 read that ``.../tokens`` makes), ``self_similarity`` from
-:func:`embgeom.reports.self_similarity`; floats in CSV are written in Python's shortest
+:func:`embgeom.reports.self_similarities`; floats in CSV are written in Python's shortest
 round-trip form (pandas >= 3 reads them back exactly with its default parser).
 
 Reading an export back, in one line::
@@ -92,6 +92,7 @@ class Export:
     tokenizer: Any
     count_filter: reports.CountFilter
     metadata: dict = field(default_factory=dict)
+    unit_norms: Optional[np.ndarray] = None  # ||U||^2 of the kept rows, when the scalars hold it
 
     @property
     def rows(self) -> int:
@@ -103,7 +104,7 @@ class Export:
         conf = self.state.conf
         per_row = 64
         if conf is not None:
-            if conf.self_similarity:
+            if conf.self_similarity and not conf.stores_unit_norms:
                 per_row += 8 * conf.L * conf.d
             if self.means:
                 per_row += 8 * (1 + conf.L + conf.L * conf.d) + 24 * conf.d
@@ -127,8 +128,9 @@ def prepare(reader: Reader, pair: PairKeys, layer: int, count_filter: reports.Co
     keep = count_filter.mask(scal.n)
     meta.update({"key": state.conf.key, "unit": state.conf.unit,
                  "self_similarity_kept": state.conf.self_similarity})
+    norms = scal.unit_norms_at(pos)
     return Export(reader, state, layer, pos, scal.ids[keep], scal.n[keep], Q[keep], M[keep], V[keep],
-                  means, tokenizer, count_filter, meta)
+                  means, tokenizer, count_filter, meta, None if norms is None else norms[keep])
 
 
 def chunks(export: Export, read: Callable[[Plan], Any], rows: Optional[int] = None) -> Iterator[dict]:
@@ -141,13 +143,13 @@ def chunks(export: Export, read: Callable[[Plan], Any], rows: Optional[int] = No
         ids = export.ids[sl]
         n = export.n[sl]
         keys = ids.tolist()
-        units = read(export.reader.units(state, keys, pos))
+        norms = None if export.unit_norms is None else export.unit_norms[sl]
         chunk = {
             "token_id": ids,
             "token": read(reports.token_strings(export.reader, state, export.tokenizer, ids)),
             "n": n.astype(np.int64),
             "Q": export.Q[sl], "M": export.M[sl], "V": export.V[sl],
-            "self_similarity": [reports.self_similarity(u, int(c)) for u, c in zip(units, n)],
+            "self_similarity": read(reports.self_similarities(export.reader, state, keys, n, pos, norms)),
         }
         if export.means:
             rec_n, _, mean = read(export.reader.means_of(state, keys, [pos]))

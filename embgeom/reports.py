@@ -196,11 +196,21 @@ def _decode_cursor(cursor: str) -> tuple[float, int]:
         raise InvalidInput("cursor is not one this service issued", type="invalid_cursor") from None
 
 
-def self_similarity(unit_sum: Optional[np.ndarray], n: int) -> Optional[float]:
-    """Self-similarity of one token (see :func:`embgeom.diagnostics.self_similarity`)."""
-    if unit_sum is None:
-        return None
-    return _none_if_nan(diagnostics.self_similarity_from_norm(float(unit_sum @ unit_sum), n))
+def self_similarities(reader: Reader, state: PairState, keys: Sequence[int], n: np.ndarray,
+                      position: int, unit_norms: Optional[np.ndarray] = None) -> Plan:
+    """Self-similarity (:func:`embgeom.diagnostics.self_similarity`) of each of ``keys``
+    (counts ``n``) at one kept layer: a list of float, None without self-similarity or
+    below two occurrences.
+
+    ``unit_norms``: the keys' ``||U||^2`` from the scalars (:meth:`Scalars.unit_norms_at`),
+    so no unit record is read; None for a generation stored before scal records carried
+    them, whose unit sums at that layer are read instead."""
+    if not state.conf.self_similarity or len(keys) == 0:
+        return [None] * len(keys)
+    if unit_norms is None:
+        units = yield from reader.units(state, keys, position)
+        unit_norms = np.array([np.nan if u is None else float(u @ u) for u in units])
+    return [_none_if_nan(s) for s in diagnostics.self_similarity_from_norm(unit_norms, n)]
 
 
 def token_page(reader: Reader, pair: PairKeys, layer: int, tokenizer,
@@ -246,7 +256,9 @@ def token_page(reader: Reader, pair: PairKeys, layer: int, tokenizer,
         order = order[after]
     page = order[:limit]
     page_ids = ids[page]
-    units = yield from reader.units(state, page_ids.tolist(), pos)
+    norms = scal.unit_norms_at(pos)
+    similarity = yield from self_similarities(reader, state, page_ids.tolist(), values["n"][page],
+                                              pos, None if norms is None else norms[keep][page])
     strings = yield from token_strings(reader, state, tokenizer, page_ids)
     tokens = []
     for j, i in enumerate(page):
@@ -254,7 +266,7 @@ def token_page(reader: Reader, pair: PairKeys, layer: int, tokenizer,
         tokens.append({
             "token_id": int(ids[i]), "token": strings[j], "n": n,
             "Q": float(values["Q"][i]), "M": float(values["M"][i]), "V": float(values["V"][i]),
-            "self_similarity": self_similarity(units[j], n),
+            "self_similarity": similarity[j],
         })
     next_cursor = None
     if len(order) > limit and len(page):
@@ -272,12 +284,13 @@ def token_detail(reader: Reader, pair: PairKeys, layer: int, token_id: int, toke
         raise NotFound("token_not_found",
                        f"token {token_id} was never seen at layer {layer} of this collection",
                        token_id=token_id)
-    n, M, m2, unit = rec
+    n, M, m2, norms = rec
     V = float(m2[pos]) / n
     (string,) = yield from token_strings(reader, state, tokenizer, [token_id])
     return {"layer": layer, "token_id": int(token_id), "token": string,
             "n": n, "Q": float(M[pos]) + V, "M": float(M[pos]), "V": V,
-            "self_similarity": self_similarity(None if unit is None else unit[pos], n),
+            "self_similarity": None if norms is None else _none_if_nan(
+                diagnostics.self_similarity_from_norm(norms[pos], n)),
             "as_of": state.as_of()}
 
 

@@ -10,6 +10,7 @@ the raw points.
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 import threading
 import time
@@ -17,7 +18,7 @@ import time
 import numpy as np
 import pytest
 
-from embgeom import reports
+from embgeom import exports, reports
 from embgeom.store import keys as K
 from embgeom.store.collections import Collections
 from embgeom.store.conf import CollectionSettings, PairConf
@@ -44,10 +45,16 @@ class VocabTokenizer:
         return [f"t{i}" for i in ids]
 
 
-def stored_pair(r, name="page", types=300, points=1500, seed=0):
-    """A pair with ``types`` token types written by one checkpoint: (pair, keys, x)."""
+def stored_pair(r, name="page", types=300, points=1500, seed=0, unit_norms=True):
+    """A pair with ``types`` token types written by one checkpoint: (pair, keys, x).
+    ``unit_norms=False``: a generation resolved before scal records carried ||U||^2 (its
+    stored configuration lacks the flag)."""
     pair = K.PairKeys(name, "m")
     conf = PairConf.resolve(CollectionSettings(), 0, L, D, 10**6, 4, 4096)
+    if not unit_norms:
+        old = json.loads(conf.to_json())
+        del old["scal_unit_norms"]
+        conf = PairConf.from_json(json.dumps(old))
     conf = Collections(r).ensure_conf(pair, conf)
     rng = np.random.default_rng(seed)
     keys = np.r_[np.arange(types), rng.integers(0, types, size=points - types)]
@@ -59,6 +66,30 @@ def stored_pair(r, name="page", types=300, points=1500, seed=0):
 
 def output_bytes(r) -> int:
     return int(r.info("stats")["total_net_output_bytes"])
+
+
+def assert_page_matches(page, keys, x, layer):
+    """Every row of a token page against float64 references from the raw points of the
+    asked layer."""
+    xl = x[:, layer]
+    for row in page["tokens"]:
+        pts = xl[keys == row["token_id"]]
+        n = len(pts)
+        mean = pts.mean(0)
+        M, V = float(mean @ mean), float(((pts - mean) ** 2).sum() / n)
+        scale = float((pts ** 2).sum(1).mean())  # the size of Q: values of this order
+        assert row["n"] == n
+        assert row["M"] == pytest.approx(M, abs=1e-12 * scale)
+        assert row["V"] == pytest.approx(V, abs=1e-12 * scale)
+        assert row["Q"] == pytest.approx(M + V, abs=1e-12 * scale)
+        if n < 2:
+            assert row["self_similarity"] is None
+            continue
+        u = pts / np.linalg.norm(pts, axis=1, keepdims=True)
+        cos = u @ u.T
+        expected = (cos.sum() - np.trace(cos)) / (n * (n - 1))  # mean over distinct pairs
+        # cosines are <= 1: sums of n^2 of them in float64 agree to ~n^2 * 1e-16
+        assert row["self_similarity"] == pytest.approx(expected, abs=1e-12)
 
 
 def test_a_token_page_reads_only_its_layer(r, redis_server):
@@ -88,26 +119,84 @@ def test_a_token_page_reads_only_its_layer(r, redis_server):
 
     assert asyncio.run(served())["tokens"] == page["tokens"]
 
-    # Values against float64 references from the raw points of the asked layer.
-    xl = x[:, layer]
-    for row in page["tokens"]:
-        pts = xl[keys == row["token_id"]]
-        n = len(pts)
-        mean = pts.mean(0)
-        M, V = float(mean @ mean), float(((pts - mean) ** 2).sum() / n)
-        scale = float((pts ** 2).sum(1).mean())  # the size of Q: values of this order
-        assert row["n"] == n
-        assert row["M"] == pytest.approx(M, abs=1e-12 * scale)
-        assert row["V"] == pytest.approx(V, abs=1e-12 * scale)
-        assert row["Q"] == pytest.approx(M + V, abs=1e-12 * scale)
-        if n < 2:
-            assert row["self_similarity"] is None
-            continue
-        u = pts / np.linalg.norm(pts, axis=1, keepdims=True)
-        cos = u @ u.T
-        expected = (cos.sum() - np.trace(cos)) / (n * (n - 1))  # mean over distinct pairs
-        # cosines are <= 1: sums of n^2 of them in float64 agree to ~n^2 * 1e-16
-        assert row["self_similarity"] == pytest.approx(expected, abs=1e-12)
+    assert_page_matches(page, keys, x, layer)
+
+
+def script_calls(r) -> int:
+    """Scripts Redis ran so far (EVAL and EVALSHA): a sliced read of records is one."""
+    stats = r.info("commandstats")
+    return sum(stats.get(f"cmdstat_{c}", {}).get("calls", 0) for c in ("eval", "evalsha"))
+
+
+def test_a_token_page_reads_no_unit_record(r):
+    """Self-similarity needs only n and ||U_{t,l}||^2, kept in the scalar record: a page
+    moves a few floats per token, whatever L and d, and no record is cut inside Redis."""
+    pair, keys, x = stored_pair(r, "norms")
+    rd = Reader()
+    state = run_sync(r, rd.pair_state(pair))
+    assert state.conf.stores_unit_norms
+    layer, k = 5, 300
+    before, scripts = output_bytes(r), script_calls(r)
+    page = run_sync(r, reports.token_page(rd, pair, layer, VocabTokenizer(), limit=k))
+    moved = output_bytes(r) - before
+    assert len(page["tokens"]) == k
+    # Every type's scalars, k x (1 + 3L) float64; a quarter more for the protocol, 16 kB
+    # for the small replies. No term in d: one layer's unit sums alone are k x d x 8 bytes.
+    bound = 1.25 * 8 * k * (1 + 3 * L) + 16_384
+    assert moved < bound, (moved, bound)
+    assert bound < 8 * k * (D + 1 + 2 * L)  # what the page moved reading unit slices
+    assert script_calls(r) == scripts  # no unit record copied inside Redis
+    assert_page_matches(page, keys, x, layer)
+    # One token's detail reads its scalars only, and agrees with its row.
+    row = page["tokens"][0]
+    before = output_bytes(r)
+    detail = run_sync(r, reports.token_detail(rd, pair, layer, row["token_id"], VocabTokenizer()))
+    assert output_bytes(r) - before < 8 * L * D  # less than one unit record of every layer
+    assert detail["self_similarity"] == row["self_similarity"]
+    # An export of the layer: its self-similarity column from the scalars too.
+    scripts = script_calls(r)
+    ex = run_sync(r, exports.prepare(rd, pair, layer, reports.CountFilter(), False, VocabTokenizer()))
+    got = [v for chunk in exports.chunks(ex, lambda plan: run_sync(r, plan), rows=64)
+           for v in chunk["self_similarity"]]
+    assert script_calls(r) == scripts
+    by_id = {t["token_id"]: t["self_similarity"] for t in page["tokens"]}
+    assert got == [by_id[int(i)] for i in ex.ids]
+
+
+def test_an_older_generation_without_unit_norms_answers_the_same(r):
+    """Scal records written before they carried ||U||^2 (1 + 2L floats; the generation's
+    configuration lacks the flag) are read as they are, and self-similarity comes from the
+    layer's unit slices: the same page, the same values."""
+    old_pair, keys, x = stored_pair(r, "old", unit_norms=False)
+    new_pair, _, _ = stored_pair(r, "new")  # the same points (same seed)
+    rd = Reader()
+    state = run_sync(r, rd.pair_state(old_pair))
+    assert not state.conf.scal_unit_norms and not state.conf.stores_unit_norms
+    shard = old_pair.parts(0).shard(0).scal
+    field, raw = next(iter(r.hgetall(shard).items()))
+    assert len(raw) == 8 * (1 + 2 * L)
+    assert len(r.hget(new_pair.parts(0).shard(0).scal, field)) == 8 * (1 + 3 * L)
+    scal = run_sync(r, rd.scalars(state))
+    assert scal.unit_norms is None
+    layer, k = 7, 300
+    old = run_sync(r, reports.token_page(rd, old_pair, layer, VocabTokenizer(), limit=k))
+    new = run_sync(r, reports.token_page(rd, new_pair, layer, VocabTokenizer(), limit=k))
+    assert_page_matches(old, keys, x, layer)
+    assert [t["token_id"] for t in old["tokens"]] == [t["token_id"] for t in new["tokens"]]
+    for a, b in zip(old["tokens"], new["tokens"]):
+        assert (a["n"], a["Q"], a["M"], a["V"]) == (b["n"], b["Q"], b["M"], b["V"])
+        if b["self_similarity"] is None:
+            assert a["self_similarity"] is None
+        else:  # ||U||^2 summed in another order: n^2 cosines <= 1, ~n^2 * 1e-16 apart
+            assert a["self_similarity"] == pytest.approx(b["self_similarity"], abs=1e-12)
+    row = old["tokens"][0]
+    detail = run_sync(r, reports.token_detail(rd, old_pair, layer, row["token_id"], VocabTokenizer()))
+    assert detail["self_similarity"] == pytest.approx(row["self_similarity"], abs=1e-12)
+    ex = run_sync(r, exports.prepare(rd, old_pair, layer, reports.CountFilter(), False, VocabTokenizer()))
+    got = [v for chunk in exports.chunks(ex, lambda plan: run_sync(r, plan), rows=64)
+           for v in chunk["self_similarity"]]
+    by_id = {t["token_id"]: t["self_similarity"] for t in old["tokens"]}
+    assert got == [by_id[int(i)] for i in ex.ids]
 
 
 def test_reads_of_some_layers_equal_the_reference_and_move_only_those_layers(r):

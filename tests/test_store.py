@@ -63,8 +63,9 @@ def reference(all_keys, all_x):
     bucket_of_point = bucket_index(n)[np.searchsorted(ids, all_keys)]
     buckets = {int(b): (int((bucket_index(n) == b).sum()), int((bucket_of_point == b).sum()),
                         all_x[bucket_of_point == b].sum(0)) for b in np.unique(bucket_index(n))}
+    unit_norms = (unit ** 2).sum(2)  # (k, L)
     return {"ids": ids, "n": n, "mean": mean, "m2": m2, "com": com, "mu": mu, "unit": unit,
-            "buckets": buckets, "keys": all_keys, "x": all_x}
+            "unit_norms": unit_norms, "buckets": buckets, "keys": all_keys, "x": all_x}
 
 
 def two_pass_decomposition(ref, layer: int, min_count: int) -> dict:
@@ -166,6 +167,9 @@ def assert_matches(r, pair, ref, rel=1e-10):
     np.testing.assert_allclose(m2, ref["m2"], rtol=0, atol=rel * N * q)
     np.testing.assert_allclose(scal.m2, ref["m2"], rtol=0, atol=rel * N * q)
     np.testing.assert_allclose(scal.M, np.sum(ref["mean"] ** 2, axis=2), rtol=0, atol=rel * q)
+    if state.conf.stores_unit_norms:  # ||U||^2 <= n^2: of the merged sums, counted once
+        np.testing.assert_allclose(scal.unit_norms, ref["unit_norms"], rtol=0,
+                                   atol=rel * float(ref["n"].max()) ** 2)
     np.testing.assert_allclose(aggs["within"], ref["m2"].sum(0), rtol=0, atol=rel * N * q)
     np.testing.assert_allclose(heads["mean"], ref["mu"], rtol=0, atol=rel * np.sqrt(q))
     for p in range(L):

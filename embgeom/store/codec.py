@@ -5,7 +5,9 @@ Per token (``L`` kept layers, hidden size ``d``)::
 
     rec   [n, m2_0 .. m2_{L-1}, mean_0 (d) .. mean_{L-1} (d)]        1 + L + L d
     unit  [u_0 (d) .. u_{L-1} (d)]                                  L d
-    scal  [n, M_0 .. M_{L-1}, m2_0 .. m2_{L-1}]                     1 + 2 L
+    scal  [n, M_0 .. M_{L-1}, m2_0 .. m2_{L-1}, N_0 .. N_{L-1}]     1 + 3 L
+          N_l = ||U_l||^2 of the unit sum; without it (self-similarity off, or a
+          generation stored before, see ``PairConf.scal_unit_norms``)   1 + 2 L
 
 Per shard: ``bkt`` field b ``[types, count, sum n_t mean_t per layer (L d)]`` and ``agg``
 ``[types, count, within_0 .. within_{L-1}]`` (their vectors and within sums compensated:
@@ -26,7 +28,7 @@ from embgeom.stats import LayerMoments, TokenMoments
 F64 = np.dtype("<f8")
 
 __all__ = [
-    "F64", "pack_rows", "unpack_rows", "rec_rows", "from_rec", "scal_rows", "head_segment",
+    "F64", "pack_rows", "unpack_rows", "rec_rows", "from_rec", "scal_rows", "from_scal", "head_segment",
     "from_head", "chunk_segment", "from_chunk", "upper_index", "rec_ranges", "unit_ranges",
     "bkt_ranges",
 ]
@@ -96,10 +98,23 @@ def bkt_ranges(d: int, positions: Sequence[int]) -> list[tuple[int, int]]:
     return _merged([(0, 16)] + [(16 + 8 * p * d, 8 * d) for p in positions])
 
 
-def scal_rows(n: np.ndarray, mean: np.ndarray, m2: np.ndarray) -> np.ndarray:
-    """(k, 1 + 2L) rows (n, M per layer, m2 per layer); M = ||mean||^2 in float64."""
+def scal_rows(n: np.ndarray, mean: np.ndarray, m2: np.ndarray,
+              unit: Optional[np.ndarray] = None) -> np.ndarray:
+    """(k, 1 + 2L) rows (n, M per layer, m2 per layer); M = ||mean||^2 in float64. With
+    ``unit`` (k, L, d), the merged unit sums, (k, 1 + 3L): ``||U||^2`` per layer appended,
+    computed from the whole sum at every write (never accumulated), so self-similarity
+    ``(||U||^2 - n) / (n (n - 1))`` needs no unit record."""
     M = np.einsum("kld,kld->kl", mean, mean)
-    return np.concatenate([np.asarray(n, dtype=F64)[:, None], M, m2], axis=1)
+    cols = [np.asarray(n, dtype=F64)[:, None], M, m2]
+    if unit is not None:
+        cols.append(np.einsum("kld,kld->kl", unit, unit))
+    return np.concatenate(cols, axis=1)
+
+
+def from_scal(rows: np.ndarray, L: int) -> tuple:
+    """n (k,), M (k, L), m2 (k, L), and ``||U||^2`` (k, L) or None (rows of ``1 + 2L``)."""
+    norms = rows[:, 1 + 2 * L:1 + 3 * L] if rows.shape[1] == 1 + 3 * L else None
+    return rows[:, 0], rows[:, 1:1 + L], rows[:, 1 + L:1 + 2 * L], norms
 
 
 def head_segment(layers: LayerMoments) -> bytes:

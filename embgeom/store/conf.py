@@ -106,7 +106,10 @@ class PairConf:
     """A pair's counting rule and storage geometry, fixed for one generation.
 
     ``layers`` are ``hidden_states`` indices (0 = embedding output) in increasing order;
-    record layouts (see :mod:`embgeom.store.codec`) follow them.
+    record layouts (see :mod:`embgeom.store.codec`) follow them. ``scal_unit_norms``: the
+    scal records end with ``||U||^2`` per layer (true for every configuration resolved
+    since they do; absent, hence false, in those stored before, whose records are
+    ``1 + 2L`` floats and are read as they are).
 
     ``window_tokens`` is the window length texts are cut into (special tokens included),
     the model's maximum capped by the resolving worker's ``max_window_tokens``: it decides
@@ -129,10 +132,21 @@ class PairConf:
     created_at: float = 0.0
     extra: dict = field(default_factory=dict)
     window_tokens: int = 0
+    scal_unit_norms: bool = False
 
     @property
     def L(self) -> int:
         return len(self.layers)
+
+    @property
+    def stores_unit_norms(self) -> bool:
+        """Scal records carry ``||U_{t,l}||^2`` (only pairs that keep unit sums have them)."""
+        return self.scal_unit_norms and self.self_similarity
+
+    @property
+    def scal_width(self) -> int:
+        """Floats of a scal record: ``1 + 2L``, or ``1 + 3L`` with the unit norms."""
+        return 1 + (3 if self.stores_unit_norms else 2) * self.L
 
     @property
     def d(self) -> int:
@@ -174,7 +188,8 @@ class PairConf:
                    self_similarity=settings.self_similarity, key=settings.key,
                    unit=settings.unit, include_special=settings.include_special,
                    chunks=chunk_rows(hidden_size, chunk_bytes), architecture=architecture,
-                   created_at=created_at, window_tokens=window_tokens)
+                   created_at=created_at, window_tokens=window_tokens,
+                   scal_unit_norms=settings.self_similarity)
 
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)

@@ -24,7 +24,9 @@ spread over a cluster and checkpoints of different workers write them in paralle
 
     :rec      hash  key -> float64[1 + L + L d]   (n, m2 per layer, mean per layer)
     :unit     hash  key -> float64[L d]           unit-vector sums (only with self-similarity)
-    :scal     hash  key -> float64[1 + 2 L]       (n, M per layer, m2 per layer): scans
+    :scal     hash  key -> float64[1 + 3 L]       (n, M, m2, ||U||^2 per layer): scans,
+                                                     self-similarity (1 + 2 L without
+                                                     ||U||^2: see PairConf.scal_unit_norms)
     :bkt      hash  bucket -> float64[2 + L d]    (types, sum n_t, sum n_t mean_t): filters;
                     "c<bucket>" -> float64[L d], "cw" -> float64[L]: what float64 cannot
                     hold of the compensated running sums (of the vectors, of agg's within)

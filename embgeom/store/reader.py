@@ -102,12 +102,19 @@ class PairState:
 
 @dataclass
 class Scalars:
-    """Per-token scalars of every token type: ids (k,), n (k,), M (k, L), m2 (k, L)."""
+    """Per-token scalars of every token type: ids (k,), n (k,), M (k, L), m2 (k, L), and
+    ``unit_norms`` ``||U||^2`` (k, L) of the unit sums, None for a pair without them
+    (self-similarity off, or a generation stored before scal records carried them)."""
 
     ids: np.ndarray
     n: np.ndarray
     M: np.ndarray
     m2: np.ndarray
+    unit_norms: Optional[np.ndarray] = None
+
+    def unit_norms_at(self, position: int) -> Optional[np.ndarray]:
+        """``||U||^2`` (k,) of every token at one kept layer, or None (see the class)."""
+        return None if self.unit_norms is None else self.unit_norms[:, position]
 
     def at(self, position: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(M, V, Q) of every token at one kept layer (its position in ``conf.layers``)."""
@@ -300,12 +307,11 @@ class Reader:
             return cached[1]
         parts = state.pair.parts(state.gen)
         raws = yield [("hgetall", parts.shard(s).scal) for s in range(conf.shards)]
-        width = 1 + 2 * conf.L
-        ids, rows = zip(*(_decode_hash(raw, width) for raw in raws))
+        ids, rows = zip(*(_decode_hash(raw, conf.scal_width) for raw in raws))
         ids, rows = np.concatenate(ids), np.concatenate(rows)
         order = np.argsort(ids, kind="stable")
         ids, rows = ids[order], rows[order]
-        out = Scalars(ids, rows[:, 0], rows[:, 1:1 + conf.L], rows[:, 1 + conf.L:])
+        out = Scalars(ids, *codec.from_scal(rows, conf.L))
         if state.applying == 0:
             self._scalars.put(state.pair.pair, (at, out))
         return out
@@ -314,7 +320,7 @@ class Reader:
     def _token_commands(parts, conf: PairConf, key: int) -> list:
         shard = parts.shard(int(shard_of([key], conf.shards)[0]))
         commands = [("hget", shard.scal, str(key))]
-        if conf.self_similarity:
+        if conf.self_similarity and not conf.stores_unit_norms:  # a generation stored before
             commands.append(("hget", shard.unit, str(key)))
         return commands
 
@@ -322,15 +328,18 @@ class Reader:
     def _token_record(conf: PairConf, replies: list):
         if replies[0] is None:
             return None
-        row = np.frombuffer(replies[0], dtype=codec.F64)
-        unit = (np.frombuffer(replies[1], dtype=codec.F64).reshape(conf.L, conf.d)
-                if conf.self_similarity and replies[1] is not None else None)
-        return int(round(row[0])), row[1:1 + conf.L], row[1 + conf.L:], unit
+        n, M, m2, norms = codec.from_scal(np.frombuffer(replies[0], dtype=codec.F64)[None, :], conf.L)
+        if norms is not None:
+            norms = norms[0]
+        elif conf.self_similarity and replies[1] is not None:
+            unit = np.frombuffer(replies[1], dtype=codec.F64).reshape(conf.L, conf.d)
+            norms = np.einsum("ld,ld->l", unit, unit)
+        return int(round(n[0])), M[0], m2[0], norms
 
     def token(self, pair: PairKeys, key: int) -> Plan:
         """``(state, record)``: the pair's state and one token's ``(n, M (L,), m2 (L,),
-        unit_sum (L, d) or None)`` (None if never seen), in one round trip when the
-        pair's generation is the one last read."""
+        ||U||^2 (L,) or None)`` (None if never seen), in one round trip when the pair's
+        generation is the one last read."""
         state, replies = yield from self.pair_state_with(
             pair, lambda gen, conf: self._token_commands(pair.parts(gen), conf, key))
         if state.empty:

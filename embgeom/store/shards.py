@@ -118,7 +118,7 @@ def pieces_of(ids: np.ndarray, conf: PairConf, piece_tokens: int) -> list[tuple[
 
 
 def piece_tokens_for(conf: PairConf, piece_bytes: int) -> int:
-    per_token = 8 * (1 + conf.L + conf.L * conf.d) + 8 * (1 + 2 * conf.L)
+    per_token = 8 * (1 + conf.L + conf.L * conf.d) + 8 * conf.scal_width
     if conf.self_similarity:
         per_token += 8 * conf.L * conf.d
     return max(1, piece_bytes // per_token)
@@ -265,11 +265,14 @@ class ShardWriter:
                 n = n[:, 0]
                 ids = [str(int(i)) for i in new.ids.tolist()]
                 rec = codec.pack_rows(codec.rec_rows(n, m2, mean))
-                scal = codec.pack_rows(codec.scal_rows(n, mean, m2))
-                unit = []
+                unit, unit_sum = [], None
                 if conf.self_similarity:
                     _, unit_old = codec.unpack_rows(st["unit"][span], L * d)
-                    unit = codec.pack_rows(unit_old + new.unit_sum.reshape(len(rows), -1))
+                    unit_sum = unit_old + new.unit_sum.reshape(len(rows), -1)
+                    unit = codec.pack_rows(unit_sum)
+                # ||U||^2 from the merged sum (a generation stored before has no room for it).
+                scal = codec.pack_rows(codec.scal_rows(
+                    n, mean, m2, unit_sum.reshape(-1, L, d) if conf.stores_unit_norms else None))
                 # Bucket deltas: each token leaves its old bucket and enters its new one.
                 touched = self._bucket_delta(bkt, comp, present, n_old, mean_old, n, mean, L, d)
                 agg[0] += float((~present).sum())  # counts: integers, exact in float64
