@@ -12,6 +12,11 @@ from pydantic_core import PydanticCustomError
 from embgeom.store import keys as K
 
 
+# The 503 of an operation that may run a model in the API process.
+MODEL_503 = ("store_unavailable; model_loading: the model is loading in this process, retry after "
+             "Retry-After seconds; model_unavailable: it could not be loaded")
+
+
 class ErrorBody(BaseModel):
     type: str = Field(description="Stable, machine-readable error type")
     message: str

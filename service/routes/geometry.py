@@ -34,13 +34,15 @@ from service.geometry_schemas import (
     SteeringRequest, SteeringResult,
 )
 from service.limits import check_sync_texts
-from service.schemas import MAX_INT, ErrorBody, FiniteQuery
+from service.schemas import MAX_INT, MODEL_503, ErrorBody, FiniteQuery
 
 router = APIRouter(prefix="/v1", tags=["geometry"],
                    responses={404: {"model": ErrorBody}, 422: {"model": ErrorBody},
                               429: {"model": ErrorBody}})
 
 LAYER_PATH = "/collections/{collection}/models/{model}/layers/{layer}"
+# An input space (layer "input") or steering texts run a model in this process.
+MODEL_RESPONSES = {503: {"model": ErrorBody, "description": MODEL_503}}
 # Token pairs a global-similarity figure may plot.
 MAX_FIGURE_PAIRS = 200_000
 
@@ -50,7 +52,7 @@ def geometry_of(request: Request) -> Geometry:
     def make(rt) -> Geometry:
         s = rt.settings
         return Geometry(rt.reader, rt.read_sync, rt.registry,
-                        lambda name: rt.sync_pool.get(name), Limits.from_settings(s),
+                        rt.sync_models.get, Limits.from_settings(s),
                         GeometryCache(s.geometry_cache_entries, s.geometry_cache_mb << 20),
                         s.geometry_max_concurrent)
     return app_object(request, "geometry", make)
@@ -59,7 +61,7 @@ def geometry_of(request: Request) -> Geometry:
 MinCount = Annotated[int, Query(ge=1, description="Token types with n_t >= min_count")]
 
 
-@router.post("/compare/global", response_model=GlobalSimilarity)
+@router.post("/compare/global", response_model=GlobalSimilarity, responses=MODEL_RESPONSES)
 def compare_global(body: GlobalRequest, request: Request):
     """Global similarity of two spaces over their shared tokens: Pearson correlation of
     the pairwise cosine similarities, linear CKA and the orthogonal Procrustes residual,
@@ -68,7 +70,7 @@ def compare_global(body: GlobalRequest, request: Request):
         body.a.to_space(), body.b.to_space(), body.min_count, body.sample, body.seed))
 
 
-@router.post("/compare/lle", response_model=LLEResult)
+@router.post("/compare/lle", response_model=LLEResult, responses=MODEL_RESPONSES)
 def compare_lle(body: LLERequest, request: Request):
     """Local similarity: each shared token's LLE weights over its k nearest neighbours in
     a, reused to rebuild it in b, against b's own optimal weights and random weights."""
@@ -104,7 +106,7 @@ def neighbors(t: LayerTargetDep, request: Request,
 
 
 @router.post("/steering/transfer", response_model=SteeringResult,
-             responses={413: {"model": ErrorBody}})
+             responses={413: {"model": ErrorBody}, **MODEL_RESPONSES})
 async def steering_transfer(body: SteeringRequest, request: Request):
     """Emb2Emb: a ridge map from space a to space b fit on shared tokens (held-out fit
     reported), applied to a steering vector given directly or as a difference of means of
@@ -185,7 +187,8 @@ def layer_figure(
     return _image(fig, format)
 
 
-@router.get("/compare/figures/{name}", response_class=Response, responses=IMAGE_RESPONSES)
+@router.get("/compare/figures/{name}", response_class=Response,
+            responses={**IMAGE_RESPONSES, **MODEL_RESPONSES})
 def compare_figure(
     request: Request,
     name: Annotated[str, Path(description="global | lle")],
