@@ -57,6 +57,9 @@ def service(tmp_path_factory):
     settings = settings_for(server.url)
     try:
         with WorkerThread(settings), TestClient(create_app(settings)) as client:
+            # The API loads a model in the background (503 model_loading meanwhile): load first.
+            for name in ("minilm", "mpnet"):
+                client.app.state.runtime.sync_pool.get(name)
             r = client.put("/v1/collections/few", json={"layers": [0, 6]})
             assert r.status_code == 201, r.text
             ids = [post_job(client, PARAS, "bbc", model="minilm"),

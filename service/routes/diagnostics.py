@@ -11,14 +11,15 @@ from service.deps import LayerDep, ModelDep, PairDep, RuntimeDep
 from service.limits import check_sync_texts
 from service.schemas import (
     MAX_INT, MODEL_503, ErrorBody, FiniteQuery, Isotropy, ModelOutliers, Outliers, ProbeRequest, ProbeResult,
-    SampleIsotropy, SampleRequest,
+    SampleIsotropy, SampleRequest, TRANSFORM_PATTERN, documented,
 )
 
 router = APIRouter(prefix="/v1", tags=["diagnostics"],
                    responses={404: {"model": ErrorBody}, 422: {"model": ErrorBody}})
 
 LAYER_PATH = "/collections/{collection}/models/{model}/layers/{layer}"
-Transform = Annotated[Optional[str], Query(description="none | standardize | abtt:D")]
+Transform = Annotated[Optional[str], Query(description="none | standardize | abtt:D",
+                                           **documented(pattern=TRANSFORM_PATTERN))]
 Threshold = Annotated[float, FiniteQuery(gt=0, description="Outlier if variance >= threshold x mean variance")]
 # A synchronous model run: 413 beyond the text limits, 429 beyond max_sync_runs at once,
 # 503 model_loading at once while its model loads in this process.
