@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Optional, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
 
 from embgeom.spaces import Space
 from embgeom.store import keys as K
@@ -33,7 +33,9 @@ class SpaceIn(RequestBody):
 
     collection: str = Field(pattern=K.NAME_PATTERN)
     model: str = Field(pattern=K.NAME_PATTERN, description="Model alias")
-    layer: Union[Annotated[int, BeforeValidator(_json_integer), Field(ge=0, le=MAX_INT)], Literal["input"]] = Field(
+    layer: Union[Annotated[int, BeforeValidator(_json_integer), Field(ge=0, le=MAX_INT),
+                           WithJsonSchema({"type": "integer", "minimum": 0, "maximum": MAX_INT})],
+                 Literal["input"]] = Field(
         description="hidden_states index (0 = embedding output), or \"input\": the model's input "
                     "embedding matrix restricted to the collection's tokens")
 
