@@ -20,8 +20,14 @@ from embgeom.store.keys import PairKeys
 from service.auth import required_scope
 from service.errors import Forbidden, Unauthorized
 from service.runtime import Runtime
+from service.schemas import NAME_SCHEMA, documented
 
 NAME_DOC = "Matches ^[A-Za-z0-9_.-]{1,64}$"
+# Path parameters as the document states them; the checks below enforce them with their
+# own error types (invalid_collection_name 422, unknown_model and layer_not_found 404).
+CollectionPath = Annotated[str, Path(description=NAME_DOC, **documented(**NAME_SCHEMA))]
+ModelPath = Annotated[str, Path(description="Model alias", **documented(**NAME_SCHEMA))]
+LayerPath = Annotated[int, Path(description="0 = embedding output, 1..L blocks", **documented(minimum=0))]
 
 
 async def get_runtime(request: Request) -> Runtime:
@@ -69,7 +75,7 @@ async def require_api_key(request: Request) -> None:
         raise Forbidden(scope)
 
 
-async def valid_collection(collection: Annotated[str, Path(description=NAME_DOC)]) -> str:
+async def valid_collection(collection: CollectionPath) -> str:
     if not K.valid_name(collection):
         raise InvalidInput(f"collection name {collection!r} does not match {K.NAME_PATTERN}",
                            type="invalid_collection_name")
@@ -79,7 +85,7 @@ async def valid_collection(collection: Annotated[str, Path(description=NAME_DOC)
 CollectionDep = Annotated[str, Depends(valid_collection)]
 
 
-async def model_info(rt: RuntimeDep, model: Annotated[str, Path(description="Model alias")]) -> ModelInfo:
+async def model_info(rt: RuntimeDep, model: ModelPath) -> ModelInfo:
     rt.registry.source(model)  # UnknownModel -> 404
     return rt.registry.info(model)
 
@@ -104,7 +110,7 @@ def _check_layer(model: ModelInfo, layer: int) -> int:
     return layer
 
 
-async def valid_layer(model: ModelDep, layer: Annotated[int, Path(description="0 = embedding output, 1..L blocks")]) -> int:
+async def valid_layer(model: ModelDep, layer: LayerPath) -> int:
     return _check_layer(model, layer)
 
 
@@ -122,9 +128,7 @@ class LayerTarget:
 
 
 async def layer_target(request: Request,
-                       collection: Annotated[str, Path(description=NAME_DOC)],
-                       model: Annotated[str, Path(description="Model alias")],
-                       layer: Annotated[int, Path(description="0 = embedding output, 1..L blocks")]) -> LayerTarget:
+                       collection: CollectionPath, model: ModelPath, layer: LayerPath) -> LayerTarget:
     """The checks of :func:`valid_collection`, :func:`model_info` and :func:`valid_layer`
     in one dependency: the per-layer reads are the hot paths, and each dependency costs
     FastAPI a resolution step per request."""

@@ -27,7 +27,7 @@ from embgeom.errors import (
     UnknownModel,
 )
 
-__all__ = ["Unauthorized", "Forbidden", "ErrorResponse", "error_body", "status_of", "install",
+__all__ = ["Unauthorized", "Forbidden", "ModelLoading", "ErrorResponse", "error_body", "status_of", "install",
            "document"]
 
 STATUS = {
@@ -46,6 +46,7 @@ STATUS_BY_TYPE = {
     "unknown_model": 404,
     "unauthorized": 401,
     "forbidden": 403,
+    "model_loading": 503,
 }
 
 # Statuses the router itself answers (no route matched, or not with this method, or a
@@ -78,6 +79,18 @@ class Forbidden(EmbgeomError):
         super().__init__(f"this API key lacks the {scope!r} scope", scope=scope)
         self.headers = {"WWW-Authenticate":
                         f'Bearer realm="embgeom", error="insufficient_scope", scope="{scope}"'}
+
+
+class ModelLoading(EmbgeomError):
+    """The model a request needs is loading in this process (503, ``Retry-After``): the
+    request is answered at once rather than held for the load (:mod:`service.sync_models`)."""
+
+    type = "model_loading"
+
+    def __init__(self, name: str, retry_after: int):
+        super().__init__(f"model {name!r} is loading in this process; retry in {retry_after} s",
+                         model=name, retry_after=retry_after)
+        self.headers = {"Retry-After": str(retry_after)}
 
 
 def error_body(type_: str, message: str, detail=None) -> dict:

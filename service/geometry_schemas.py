@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Optional, Union
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
 
 from embgeom.spaces import Space
 from embgeom.store import keys as K
@@ -21,12 +21,21 @@ Sample = Annotated[Optional[int], Field(ge=3, le=MAX_INT, description="Use a see
                                                           "tokens (default: all, up to the service's cap)")]
 
 
+def _json_integer(value):
+    """A JSON integer (``6`` or ``6.0``, as JSON Schema's ``integer``), not a string or a bool."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError("layer must be an integer or \"input\"")
+    return value
+
+
 class SpaceIn(RequestBody):
     """A token embedding space: per-token means at a kept layer, or the input embeddings."""
 
     collection: str = Field(pattern=K.NAME_PATTERN)
     model: str = Field(pattern=K.NAME_PATTERN, description="Model alias")
-    layer: Union[Annotated[int, Field(ge=0, strict=True)], Literal["input"]] = Field(
+    layer: Union[Annotated[int, BeforeValidator(_json_integer), Field(ge=0, le=MAX_INT),
+                           WithJsonSchema({"type": "integer", "minimum": 0, "maximum": MAX_INT})],
+                 Literal["input"]] = Field(
         description="hidden_states index (0 = embedding output), or \"input\": the model's input "
                     "embedding matrix restricted to the collection's tokens")
 
@@ -164,6 +173,18 @@ class Neighbors(BaseModel):
 
 
 class SteeringRequest(RequestBody):
+    # What the route checks, stated: a vector, or both text sets (non-empty), not both.
+    # (null is as good as absent).
+    model_config = ConfigDict(json_schema_extra={"oneOf": [
+        {"required": ["vector"],
+         "properties": {"vector": {"type": "array"}, "positive_texts": {"type": "null"},
+                        "negative_texts": {"type": "null"}}},
+        {"required": ["positive_texts", "negative_texts"],
+         "properties": {"vector": {"type": "null"},
+                        "positive_texts": {"type": "array", "minItems": 1},
+                        "negative_texts": {"type": "array", "minItems": 1}}},
+    ]})
+
     a: SpaceIn
     b: SpaceIn
     vector: Optional[list[float]] = Field(None, description="A steering vector of a (length d_a)")

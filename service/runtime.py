@@ -16,6 +16,7 @@ import logging
 import signal
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -31,6 +32,7 @@ from embgeom.store.reader import Reader, run_async, run_sync
 from embgeom.store.server import RedisServer
 from embgeom.worker import live_workers
 from service.limits import SyncRuns
+from service.sync_models import SyncModels
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +54,10 @@ class Runtime:
     server: Optional[RedisServer] = None
     workers: list = field(default_factory=list)   # embedded worker processes
     _sync_pool: Optional[ModelPool] = None
+    _sync_models: Optional[SyncModels] = None
+    # Makes the sync pool and its loader once: two first requests made two pools (and
+    # loaded the model twice) when the pool was made lazily without it.
+    _sync_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _sync_runs: Optional[SyncRuns] = None
 
     async def read(self, plan):
@@ -72,10 +78,23 @@ class Runtime:
 
     @property
     def sync_pool(self) -> ModelPool:
-        """Models for synchronous requests (probe, isotropy sample), loaded on demand."""
+        """Models for synchronous requests (probe, isotropy sample, geometry), one pool
+        per process, made on first use."""
         if self._sync_pool is None:
-            self._sync_pool = ModelPool.from_settings(self.registry, self.settings)
+            with self._sync_lock:
+                if self._sync_pool is None:
+                    self._sync_pool = ModelPool.from_settings(self.registry, self.settings)
         return self._sync_pool
+
+    @property
+    def sync_models(self) -> SyncModels:
+        """The way requests get a model of :attr:`sync_pool`: loaded, or 503
+        ``model_loading`` at once while it loads in the background."""
+        if self._sync_models is None:
+            with self._sync_lock:
+                if self._sync_models is None:
+                    self._sync_models = SyncModels(lambda: self.sync_pool)
+        return self._sync_models
 
     @property
     def sync_runs(self) -> SyncRuns:

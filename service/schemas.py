@@ -12,6 +12,11 @@ from pydantic_core import PydanticCustomError
 from embgeom.store import keys as K
 
 
+# The 503 of an operation that may run a model in the API process.
+MODEL_503 = ("store_unavailable; model_loading: the model is loading in this process, retry after "
+             "Retry-After seconds; model_unavailable: it could not be loaded")
+
+
 class ErrorBody(BaseModel):
     type: str = Field(description="Stable, machine-readable error type")
     message: str
@@ -92,6 +97,20 @@ FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 MAX_INT = 2**53 - 1
 
 
+# Constraints the document states for checks a route makes itself, with its own error type
+# (invalid_collection_name, invalid_format, unknown_figure, ...): a generator reading the
+# document then sends what the route accepts, and the error types stay what they were.
+NAME_SCHEMA = {"pattern": K.NAME_PATTERN}
+TRANSFORM_PATTERN = r"^\s*(?i:none|standardize|abtt:[0-9]+)\s*$"
+# A text with something in it: what str.strip() does not remove (Python's whitespace).
+NON_BLANK = r"[^\s\x1c-\x1f]"
+
+
+def documented(**schema: Any) -> dict:
+    """``json_schema_extra`` for a parameter whose route checks ``schema`` itself."""
+    return {"json_schema_extra": schema}
+
+
 def FiniteQuery(**kwargs: Any):
     """``Query(...)`` for a float (in ``Annotated``): NaN, inf and 1e999 are 422."""
     return Query(allow_inf_nan=False, **kwargs)
@@ -144,7 +163,7 @@ class ModelOut(BaseModel):
 class JobCreate(RequestBody):
     collection: str = Field("default", pattern=K.NAME_PATTERN)
     model: str = Field("minilm", pattern=K.NAME_PATTERN)
-    texts: list[str] = Field(min_length=1)
+    texts: list[Annotated[str, Field(pattern=NON_BLANK)]] = Field(min_length=1)
     include_special: Optional[bool] = Field(
         None, description="Also count the special tokens the tokenizer adds ([CLS], [SEP], BOS, ...). "
                           "A collection's setting: it creates a new collection with it, and must "
@@ -195,8 +214,8 @@ class CollectionSettingsIn(RequestBody):
     key: Literal["id", "string"] = "id"
     unit: Literal["token", "word"] = "token"
     include_special: bool = False
-    layers: Optional[list[int]] = Field(
-        None, description="hidden_states indices to keep (0 = embedding output); null keeps all")
+    layers: Optional[list[Annotated[int, Field(ge=0, le=MAX_INT)]]] = Field(
+        None, min_length=1, description="hidden_states indices to keep (0 = embedding output); null keeps all")
     self_similarity: bool = Field(
         True, description="Keep per-token unit-vector sums (half of the per-token bytes)")
 

@@ -68,6 +68,8 @@ def api(redis_server):
     )
     app = create_app(settings)
     with TestClient(app, raise_server_exceptions=False) as client, WorkerThread(settings):
+        # The API loads a model in the background (503 model_loading meanwhile): load first.
+        app.state.runtime.sync_pool.get("minilm")
         r = client.post("/v1/jobs", json={"collection": SEED, "texts": SEED_TEXTS})
         assert r.status_code == 202, r.text
         (status,) = wait_for_jobs(client, [r.json()["job_id"]], timeout=120)

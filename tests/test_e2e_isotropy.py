@@ -200,6 +200,8 @@ def world(tmp_path_factory):
         server = RedisServer(tmp_path_factory.mktemp("e2e_isotropy") / "redis").start()
         settings = make_settings(server.url)
         with TestClient(create_app(settings)) as client, WorkerThread(settings):
+            # The API loads a model in the background (503 model_loading meanwhile): load first.
+            client.app.state.runtime.sync_pool.get("minilm")
             chunks_a = cut(TEXTS, SPLIT_A)
             order = list(range(len(TEXTS)))
             random.Random(7).shuffle(order)

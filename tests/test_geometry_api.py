@@ -57,6 +57,9 @@ def service(tmp_path_factory):
     settings = settings_for(server.url)
     try:
         with WorkerThread(settings), TestClient(create_app(settings)) as client:
+            # The API loads a model in the background (503 model_loading meanwhile): load first.
+            for name in ("minilm", "mpnet"):
+                client.app.state.runtime.sync_pool.get(name)
             r = client.put("/v1/collections/few", json={"layers": [0, 6]})
             assert r.status_code == 201, r.text
             ids = [post_job(client, PARAS, "bbc", model="minilm"),
@@ -533,6 +536,9 @@ def test_smollm2_vs_gemma3_is_above_its_shuffled_baseline(service):
     ids = [post_job(client, PARAS, "dec", model="smollm2"), post_job(client, PARAS, "dec", model="gemma3")]
     final = wait_for_jobs(client, ids, timeout=900)
     assert all(s["status"] == "done" for s in final), final
+    rt = client.app.state.runtime
+    for name in ("smollm2", "gemma3"):  # input spaces run the models in the API: load them first
+        rt.sync_pool.get(name)
     for la, lb in ((30, 18), ("input", "input")):
         a = {"collection": "dec", "model": "smollm2", "layer": la}
         b = {"collection": "dec", "model": "gemma3", "layer": lb}

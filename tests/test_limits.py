@@ -148,7 +148,7 @@ def held_run(client, monkeypatch):
     """One isotropy sample in flight (its model stubbed to block), for the duration."""
     stub = _Stub()
     rt = client.app.state.runtime
-    monkeypatch.setattr(rt, "_sync_pool", stub)
+    monkeypatch.setattr(rt, "_sync_models", stub)
     from service.routes import diagnostics
 
     monkeypatch.setattr(diagnostics.probes, "sample_isotropy",
@@ -196,11 +196,126 @@ def test_a_failed_run_frees_its_slot(client, monkeypatch):
         def get(self, name):
             return None
 
-    monkeypatch.setattr(client.app.state.runtime, "_sync_pool", Pool())
+    monkeypatch.setattr(client.app.state.runtime, "_sync_models", Pool())
     monkeypatch.setattr(diagnostics.probes, "sample_isotropy", fail)
     for _ in range(3):  # max_sync_runs=1: a leaked slot would make the second a 429
         r = client.post(SAMPLE, json={"texts": ["x"], "reference": "identity"})
         assert is_error(r, 500, "internal_error"), r.text
+
+
+# ------------------------------------------------------------ models loading in the API
+
+PROBE_BODY = {"model": "minilm", "layer": 1, "texts": ["good day", "great film", "bad day", "awful film"],
+              "labels": [1, 1, 0, 0], "test_fraction": 0.5}
+
+
+@pytest.fixture
+def loads(monkeypatch):
+    """Every model load of a ModelPool, by name (the real load runs; a test may gate it)."""
+    from embgeom.compute.models import ModelPool
+
+    real = ModelPool._load
+    record = {"names": [], "gate": threading.Event()}
+    record["gate"].set()
+
+    def counted(self, name):
+        record["names"].append(name)
+        assert record["gate"].wait(60)
+        return real(self, name)
+
+    monkeypatch.setattr(ModelPool, "_load", counted)
+    yield record
+    record["gate"].set()
+
+
+def post_in_thread(client, url, body, timeout=30):
+    """POST from another thread; the response, or None when none came within ``timeout``."""
+    out = {}
+    thread = threading.Thread(target=lambda: out.setdefault("r", client.post(url, json=body)), daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return out.get("r")
+
+
+def until_served(client, url, body, tries=240):
+    """Retry as the 503 says (Retry-After) until the request is served."""
+    for _ in range(tries):
+        r = client.post(url, json=body)
+        if not is_error(r, 503, "model_loading"):
+            return r
+        time.sleep(min(float(r.headers["retry-after"]), 0.5))
+    raise AssertionError("the model never finished loading")
+
+
+def test_a_probe_of_an_unloaded_model_answers_503_model_loading_at_once(redis_server, loads):
+    settings = settings_for(redis_server.url, max_sync_runs=2)
+    with TestClient(create_app(settings)) as client:
+        loads["gate"].clear()  # the load starts, and cannot finish until the gate opens
+        try:
+            start = time.monotonic()
+            r = post_in_thread(client, PROBE, PROBE_BODY)
+            took = time.monotonic() - start
+            assert r is not None, "the request waited for the model to load"
+            assert is_error(r, 503, "model_loading"), (r.status_code, r.text[:300])
+            assert int(r.headers["retry-after"]) >= 1
+            assert r.json()["detail"]["model"] == "minilm"
+            assert client.app.state.runtime.sync_pool.loaded() == []
+            print(f"\nfirst probe answered 503 model_loading in {took * 1000:.0f} ms")
+            # A second request while the load runs: 503 again, and no second load.
+            assert is_error(post_in_thread(client, PROBE, PROBE_BODY), 503, "model_loading")
+        finally:
+            loads["gate"].set()
+        r = until_served(client, PROBE, PROBE_BODY)
+        assert r.status_code == 200, r.text
+        assert r.json()["n_train"] + r.json()["n_test"] == 4
+        assert loads["names"] == ["minilm"]
+
+
+def test_two_first_requests_load_the_model_once(redis_server, loads, monkeypatch):
+    from embgeom.compute.models import ModelPool
+
+    # Pools take a while to make: two first requests both find none made yet, and each
+    # would make (and load into) its own without the runtime's lock.
+    real_init = ModelPool.__init__
+
+    def slow_init(self, *args, **kwargs):
+        time.sleep(0.5)
+        real_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(ModelPool, "__init__", slow_init)
+    settings = settings_for(redis_server.url, max_sync_runs=4)
+    with TestClient(create_app(settings)) as client:
+        threads = [threading.Thread(target=client.post, args=(PROBE,), kwargs={"json": PROBE_BODY})
+                   for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert until_served(client, PROBE, PROBE_BODY).status_code == 200
+        assert loads["names"] == ["minilm"], loads["names"]
+
+
+def test_a_failed_load_is_503_model_unavailable_then_retried(redis_server, monkeypatch):
+    from embgeom.compute.models import ModelPool
+    from embgeom.errors import ModelLoadError
+
+    calls = []
+
+    def broken(self, name):
+        calls.append(name)
+        raise ModelLoadError(name, "weights missing")
+
+    monkeypatch.setattr(ModelPool, "_load", broken)
+    settings = settings_for(redis_server.url, max_sync_runs=2)
+    with TestClient(create_app(settings)) as client:
+        assert is_error(client.post(PROBE, json=PROBE_BODY), 503, "model_loading")
+        r = until_served(client, PROBE, PROBE_BODY)
+        assert is_error(r, 503, "model_unavailable"), r.text
+        assert "weights missing" in r.json()["message"]
+        # The failure was told once; the next request starts a new load.
+        assert is_error(client.post(PROBE, json=PROBE_BODY), 503, "model_loading")
+        until_served(client, PROBE, PROBE_BODY)
+        assert calls == ["minilm", "minilm"]
 
 
 # ------------------------------------------------------- no sync Redis on the loop

@@ -198,3 +198,35 @@ def test_error_bodies_and_statuses_are_documented(live):
                          ("/v1/probes/outlier-dimension", "post")]:
         assert "429" in operation(doc, path, method)["responses"], f"{method.upper()} {path}: 429"
     has_fields(doc, {"$ref": "#/components/schemas/ErrorBody"}, "type message detail", "ErrorBody")
+
+
+def test_document_states_the_limits_the_routes_check(doc):
+    """What a route checks itself (with its own error type) is in the document too, so a
+    client generated from it sends what the service accepts."""
+    from embgeom.store.keys import NAME_PATTERN
+
+    seen = 0
+    for path, item in doc["paths"].items():
+        for method, op in item.items():
+            for p in op.get("parameters", []):
+                schema = resolve(doc, p["schema"])
+                where = f"{method.upper()} {path} {p['name']}"
+                if p["in"] == "path" and p["name"] in ("collection", "model"):
+                    assert schema.get("pattern") == NAME_PATTERN, where
+                    seen += 1
+                if p["name"] == "layer" and schema.get("type") == "integer":
+                    assert schema.get("minimum") == 0, where
+                if p["name"] == "format" or (p["in"] == "path" and p["name"] == "name"):
+                    assert schema.get("enum"), where
+                if p["in"] == "query" and schema.get("type") == "integer" and "minimum" in schema \
+                        and p["name"] != "layer":
+                    assert "maximum" in schema, where
+    assert seen >= 30
+    ids = query_params(doc, "/v1/jobs")["ids"]["schema"]
+    assert ids.get("pattern") == "[^,]"
+    steering = resolve(doc, operation(doc, "/v1/steering/transfer", "post")["requestBody"]
+                       ["content"]["application/json"]["schema"])
+    assert len(steering["oneOf"]) == 2
+    job = resolve(doc, operation(doc, "/v1/jobs", "post")["requestBody"]["content"]
+                  ["application/json"]["schema"])
+    assert resolve(doc, job["properties"]["texts"]["items"]).get("pattern")

@@ -10,19 +10,21 @@ from embgeom.errors import NotFound
 from service.deps import LayerDep, ModelDep, PairDep, RuntimeDep
 from service.limits import check_sync_texts
 from service.schemas import (
-    MAX_INT, ErrorBody, FiniteQuery, Isotropy, ModelOutliers, Outliers, ProbeRequest, ProbeResult,
-    SampleIsotropy, SampleRequest,
+    MAX_INT, MODEL_503, ErrorBody, FiniteQuery, Isotropy, ModelOutliers, Outliers, ProbeRequest, ProbeResult,
+    SampleIsotropy, SampleRequest, TRANSFORM_PATTERN, documented,
 )
 
 router = APIRouter(prefix="/v1", tags=["diagnostics"],
                    responses={404: {"model": ErrorBody}, 422: {"model": ErrorBody}})
 
 LAYER_PATH = "/collections/{collection}/models/{model}/layers/{layer}"
-Transform = Annotated[Optional[str], Query(description="none | standardize | abtt:D")]
+Transform = Annotated[Optional[str], Query(description="none | standardize | abtt:D",
+                                           **documented(pattern=TRANSFORM_PATTERN))]
 Threshold = Annotated[float, FiniteQuery(gt=0, description="Outlier if variance >= threshold x mean variance")]
-# A synchronous model run: 413 beyond the text limits, 429 beyond max_sync_runs at once.
+# A synchronous model run: 413 beyond the text limits, 429 beyond max_sync_runs at once,
+# 503 model_loading at once while its model loads in this process.
 SYNC_RESPONSES = {413: {"model": ErrorBody}, 429: {"model": ErrorBody},
-                  503: {"model": ErrorBody, "description": "store_unavailable, or model_unavailable"}}
+                  503: {"model": ErrorBody, "description": MODEL_503}}
 
 
 # Eigendecompositions and scans are CPU work: these reads run on the thread pool with the
@@ -55,7 +57,8 @@ def model_outliers(pair: PairDep, model: ModelDep, rt: RuntimeDep, threshold: Th
 async def isotropy_sample(pair: PairDep, layer: LayerDep, body: SampleRequest, rt: RuntimeDep) -> dict:
     """IsoScore and IsoScore* (Rudman & Eickhoff 2024) of a mini-batch, shrunk toward the
     collection's covariance or the identity. Runs the model in the API process, on the
-    thread pool, at most ``max_sync_runs`` at once (429 beyond)."""
+    thread pool, at most ``max_sync_runs`` at once (429 beyond); while the model loads,
+    503 ``model_loading`` with ``Retry-After`` at once."""
     check_sync_texts(rt.settings, body.texts)
 
     def run():
@@ -64,7 +67,7 @@ async def isotropy_sample(pair: PairDep, layer: LayerDep, body: SampleRequest, r
             reference = run_sync(rt.redis, reports.covariance(rt.reader, pair, layer))
             if reference is None:
                 raise NotFound("collection_empty", "the collection has no embeddings at this layer yet")
-        loaded = rt.sync_pool.get(pair.model)
+        loaded = rt.sync_models.get(pair.model)
         return probes.sample_isotropy(loaded, body.texts, layer, body.zeta, reference,
                                       body.include_special, rt.settings.token_budget)
 
@@ -75,7 +78,7 @@ async def isotropy_sample(pair: PairDep, layer: LayerDep, body: SampleRequest, r
 async def outlier_probe(body: ProbeRequest, rt: RuntimeDep) -> dict:
     """The 1-D outlier-dimension probe (Rudman et al. 2023) on labelled texts. Runs the
     model in the API process, on the thread pool, at most ``max_sync_runs`` at once (429
-    beyond)."""
+    beyond); while the model loads, 503 ``model_loading`` with ``Retry-After`` at once."""
     check_sync_texts(rt.settings, body.texts)
     rt.registry.source(body.model)  # unknown alias -> 404 unknown_model
     info = rt.registry.info(body.model)
@@ -84,7 +87,7 @@ async def outlier_probe(body: ProbeRequest, rt: RuntimeDep) -> dict:
                        layer=body.layer, num_layers=info.num_layers)
 
     def run():
-        loaded = rt.sync_pool.get(body.model)
+        loaded = rt.sync_models.get(body.model)
         result = probes.outlier_dimension_probe(
             loaded, body.texts, body.labels, body.layer, body.pooling, body.test_fraction,
             body.seed, body.top_k, body.include_special, rt.settings.token_budget)

@@ -13,22 +13,26 @@ from __future__ import annotations
 
 from typing import Annotated, Optional
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Path, Query, Request
 from fastapi.responses import Response, StreamingResponse
+from pydantic import WithJsonSchema
 
 from embgeom import exports, reports
 from embgeom.renders import (
     MEDIA_TYPES, RenderCache, check_format, figure_params, render_figure, render_report,
 )
 from service.deps import LayerTargetDep, ModelDep, PairDep, RuntimeDep, _check_layer, app_object
-from service.schemas import ErrorBody
+from embgeom import figures as figure_kinds
+from service.schemas import MAX_INT, ErrorBody, documented
 
 router = APIRouter(prefix="/v1/collections/{collection}/models/{model}", tags=["figures"],
                    responses={404: {"model": ErrorBody}, 422: {"model": ErrorBody}})
 
-MinCount = Annotated[int, Query(ge=1, description="Keep token types with n_t >= min_count")]
-MaxCount = Annotated[Optional[int], Query(ge=1, description="Keep token types with n_t <= max_count")]
-ImageFormat = Annotated[str, Query(description="png | svg")]
+MinCount = Annotated[int, Query(ge=1, le=MAX_INT, description="Keep token types with n_t >= min_count")]
+MaxCount = Annotated[Optional[int], Query(ge=1, le=MAX_INT, description="Keep token types with n_t <= max_count")]
+# A layer index as the document states it (the route answers a negative one 404 layer_not_found).
+LayerIndex = Optional[Annotated[int, WithJsonSchema({"type": "integer", "minimum": 0})]]
+ImageFormat = Annotated[str, Query(description="png | svg", **documented(enum=list(figure_kinds.FORMATS)))]
 
 
 def _cache(request: Request) -> RenderCache:
@@ -49,13 +53,15 @@ def _headers(rendered) -> dict:
 @router.get("/figures/{name}", response_class=Response,
             responses={200: {"content": {"image/png": {}, "image/svg+xml": {}},
                              "description": "The figure"}})
-def figure(request: Request, pair: PairDep, model: ModelDep, rt: RuntimeDep, name: str,
+def figure(request: Request, pair: PairDep, model: ModelDep, rt: RuntimeDep,
+           name: Annotated[str, Path(**documented(enum=list(figure_kinds.FIGURES)))],
            format: ImageFormat = "png",
-           layer: Annotated[Optional[int], Query(description="Required by vm_scatter, frequency, spectrum")] = None,
+           layer: Annotated[LayerIndex, Query(description="Required by vm_scatter, frequency, spectrum")] = None,
            min_count: MinCount = 1, max_count: MaxCount = None,
            models: Annotated[Optional[str], Query(
                description="layer_summary: comma-separated models of the collection to overlay "
-                           "(default: this one)")] = None) -> Response:
+                           "(default: this one)",
+               **documented(pattern=r"^[A-Za-z0-9_.-]{1,64}(,[A-Za-z0-9_.-]{1,64})*$"))] = None) -> Response:
     """One figure, drawn from one consistent read of the collection.
 
     ``name``: vm_scatter (V against M per token type, paper Fig. 2), layer_summary (cv_Q,
@@ -77,9 +83,10 @@ def figure(request: Request, pair: PairDep, model: ModelDep, rt: RuntimeDep, nam
             responses={200: {"content": {"text/html": {}}, "description": "The report page"}})
 def report(request: Request, pair: PairDep, model: ModelDep, rt: RuntimeDep,
            min_count: MinCount = 1, max_count: MaxCount = None,
-           layer: Annotated[Optional[int], Query(
+           layer: Annotated[LayerIndex, Query(
                description="Layer of the per-layer figures (default: the middle kept layer)")] = None,
-           format: Annotated[str, Query(description="Figures as png (default) or svg")] = "png") -> Response:
+           format: Annotated[str, Query(description="Figures as png (default) or svg",
+                                        **documented(enum=list(figure_kinds.FORMATS)))] = "png") -> Response:
     """A self-contained HTML page: the per-layer table, the isotropy table, every figure
     and links to the JSON endpoints, from one consistent read; cached until the
     collection changes."""
@@ -95,7 +102,8 @@ def report(request: Request, pair: PairDep, model: ModelDep, rt: RuntimeDep,
             responses={200: {"content": {exports.MEDIA_TYPES["parquet"]: {}, "text/csv": {}},
                              "description": "One row per token type"}})
 def export(t: LayerTargetDep,
-           format: Annotated[str, Query(description="parquet | csv")] = "parquet",
+           format: Annotated[str, Query(description="parquet | csv",
+                                        **documented(enum=list(exports.FORMATS)))] = "parquet",
            min_count: MinCount = 1, max_count: MaxCount = None,
            means: Annotated[bool, Query(description="Add each token type's mean vector")] = False):
     """One row per token type: token_id, token, n, Q, M, V, self_similarity (and with

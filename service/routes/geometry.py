@@ -34,13 +34,16 @@ from service.geometry_schemas import (
     SteeringRequest, SteeringResult,
 )
 from service.limits import check_sync_texts
-from service.schemas import MAX_INT, ErrorBody, FiniteQuery
+from embgeom import figures as figure_kinds
+from service.schemas import MAX_INT, MODEL_503, ErrorBody, FiniteQuery, documented
 
 router = APIRouter(prefix="/v1", tags=["geometry"],
                    responses={404: {"model": ErrorBody}, 422: {"model": ErrorBody},
                               429: {"model": ErrorBody}})
 
 LAYER_PATH = "/collections/{collection}/models/{model}/layers/{layer}"
+# An input space (layer "input") or steering texts run a model in this process.
+MODEL_RESPONSES = {503: {"model": ErrorBody, "description": MODEL_503}}
 # Token pairs a global-similarity figure may plot.
 MAX_FIGURE_PAIRS = 200_000
 
@@ -50,16 +53,16 @@ def geometry_of(request: Request) -> Geometry:
     def make(rt) -> Geometry:
         s = rt.settings
         return Geometry(rt.reader, rt.read_sync, rt.registry,
-                        lambda name: rt.sync_pool.get(name), Limits.from_settings(s),
+                        rt.sync_models.get, Limits.from_settings(s),
                         GeometryCache(s.geometry_cache_entries, s.geometry_cache_mb << 20),
                         s.geometry_max_concurrent)
     return app_object(request, "geometry", make)
 
 
-MinCount = Annotated[int, Query(ge=1, description="Token types with n_t >= min_count")]
+MinCount = Annotated[int, Query(ge=1, le=MAX_INT, description="Token types with n_t >= min_count")]
 
 
-@router.post("/compare/global", response_model=GlobalSimilarity)
+@router.post("/compare/global", response_model=GlobalSimilarity, responses=MODEL_RESPONSES)
 def compare_global(body: GlobalRequest, request: Request):
     """Global similarity of two spaces over their shared tokens: Pearson correlation of
     the pairwise cosine similarities, linear CKA and the orthogonal Procrustes residual,
@@ -68,7 +71,7 @@ def compare_global(body: GlobalRequest, request: Request):
         body.a.to_space(), body.b.to_space(), body.min_count, body.sample, body.seed))
 
 
-@router.post("/compare/lle", response_model=LLEResult)
+@router.post("/compare/lle", response_model=LLEResult, responses=MODEL_RESPONSES)
 def compare_lle(body: LLERequest, request: Request):
     """Local similarity: each shared token's LLE weights over its k nearest neighbours in
     a, reused to rebuild it in b, against b's own optimal weights and random weights."""
@@ -80,9 +83,9 @@ def compare_lle(body: LLERequest, request: Request):
 @router.get(LAYER_PATH + "/intrinsic-dimension", response_model=IntrinsicDimension)
 def intrinsic_dimension(
     t: LayerTargetDep, request: Request,
-    k: Annotated[int, Query(ge=2, description="Neighbours per token")] = 20,
+    k: Annotated[int, Query(ge=2, le=MAX_INT, description="Neighbours per token")] = 20,
     method: Literal["local_pca", "twonn", "mle"] = "local_pca",
-    threshold: Annotated[float, Query(gt=0, lt=1, description="Variance share (local_pca)")] = 0.9,
+    threshold: Annotated[float, FiniteQuery(gt=0, lt=1, description="Variance share (local_pca)")] = 0.9,
     min_count: MinCount = 5,
     limit: Annotated[int, Query(ge=1, le=100, description="Tokens listed at each end")] = 10,
     neighbors: Annotated[int, Query(ge=0, le=20, description="Nearest tokens shown for each")] = 0,
@@ -96,15 +99,15 @@ def intrinsic_dimension(
 
 @router.get(LAYER_PATH + "/tokens/{token_id}/neighbors", response_model=Neighbors)
 def neighbors(t: LayerTargetDep, request: Request,
-              token_id: Annotated[int, Path(description="Token id (key)")],
-              k: Annotated[int, Query(ge=1)] = 10, min_count: MinCount = 5):
+              token_id: Annotated[int, Path(description="Token id (key)", **documented(minimum=0, maximum=MAX_INT))],
+              k: Annotated[int, Query(ge=1, le=MAX_INT)] = 10, min_count: MinCount = 5):
     """The k tokens whose means are nearest by cosine to this token's mean."""
     return FastJSON(geometry_of(request).neighbors(
         Space(t.pair.collection, t.pair.model, t.layer), token_id, k, min_count))
 
 
 @router.post("/steering/transfer", response_model=SteeringResult,
-             responses={413: {"model": ErrorBody}})
+             responses={413: {"model": ErrorBody}, **MODEL_RESPONSES})
 async def steering_transfer(body: SteeringRequest, request: Request):
     """Emb2Emb: a ridge map from space a to space b fit on shared tokens (held-out fit
     reported), applied to a steering vector given directly or as a difference of means of
@@ -134,7 +137,7 @@ SPACE_PATTERN = r"^[A-Za-z0-9_.-]{1,64}:[A-Za-z0-9_.-]{1,64}:([0-9]{1,9}|input)$
 SpaceQuery = Annotated[str, Query(
     pattern=SPACE_PATTERN, description="A space as collection:model:layer (layer an integer or "
                                        "\"input\"), e.g. bbc:minilm:6")]
-ImageFormat = Annotated[str, Query(description="png | svg")]
+ImageFormat = Annotated[str, Query(description="png | svg", **documented(enum=list(figure_kinds.FORMATS)))]
 
 
 def _space(text: str) -> Space:
@@ -165,7 +168,8 @@ def _image(fig: RenderedFigure, fmt: str) -> Response:
 @router.get(LAYER_PATH + "/figures/{name}", response_class=Response, responses=IMAGE_RESPONSES)
 def layer_figure(
     t: LayerTargetDep, request: Request,
-    name: Annotated[str, Path(description="intrinsic_dimension")],
+    name: Annotated[str, Path(description="intrinsic_dimension",
+                              **documented(enum=list(geometry_figures.LAYER_FIGURES)))],
     format: ImageFormat = "png",
     k: Annotated[int, Query(ge=2, le=MAX_INT, description="Neighbours per token")] = 20,
     method: Literal["local_pca", "twonn", "mle"] = "local_pca",
@@ -185,10 +189,12 @@ def layer_figure(
     return _image(fig, format)
 
 
-@router.get("/compare/figures/{name}", response_class=Response, responses=IMAGE_RESPONSES)
+@router.get("/compare/figures/{name}", response_class=Response,
+            responses={**IMAGE_RESPONSES, **MODEL_RESPONSES})
 def compare_figure(
     request: Request,
-    name: Annotated[str, Path(description="global | lle")],
+    name: Annotated[str, Path(description="global | lle",
+                              **documented(enum=list(geometry_figures.COMPARE_FIGURES)))],
     a: SpaceQuery, b: SpaceQuery,
     format: ImageFormat = "png",
     min_count: Annotated[int, Query(ge=1, le=MAX_INT, description="Token types with n_t >= "

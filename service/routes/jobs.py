@@ -7,7 +7,7 @@ from fastapi import APIRouter, Header, Query
 from embgeom.errors import InvalidInput
 from embgeom.store.jobs import JobRequest
 from service.deps import RuntimeDep
-from service.schemas import ErrorBody, JobCreate, JobCreated, JobStatus
+from service.schemas import ErrorBody, JobCreate, JobCreated, JobStatus, documented
 
 router = APIRouter(prefix="/v1", tags=["jobs"])
 
@@ -41,7 +41,8 @@ def create_job(
 
 @router.get("/jobs", response_model=list[JobStatus], responses={404: {"model": ErrorBody}})
 def get_jobs(rt: RuntimeDep,
-             ids: Annotated[str, Query(description="Comma-separated job ids (at most 1000)")]) -> list[dict]:
+             ids: Annotated[str, Query(description="Comma-separated job ids (at most 1000)",
+                                       **documented(pattern="[^,]"))]) -> list[dict]:
     """Status of many jobs in one request, in the order asked."""
     wanted = [i for i in ids.split(",") if i]
     if not wanted or len(wanted) > 1000:
