@@ -46,28 +46,31 @@ class Recording:
 
 
 @lru_cache(maxsize=4)
-def record_bbc(texts_per_job: int = 250, token_budget: int = 16384, limit: Optional[int] = None,
-               max_length: int = 256) -> Recording:
-    """BBC paragraphs through MiniLM's tokenizer and the service's own windows and batches."""
-    from transformers import AutoTokenizer
-
-    from embgeom.compute.positions import batches_by_token_budget, encode, pad_batch
+def record_bbc(texts_per_job: int = 250, limit: Optional[int] = None) -> Recording:
+    """BBC paragraphs through MiniLM's tokenizer and the service's own windows and batches
+    (:func:`embgeom.compute.engine.padded_batches` at the model's window length and the
+    service's token budget, as a worker prepares a job of a default collection)."""
+    from embgeom.compute.engine import CountingRule, padded_batches
+    from embgeom.compute.models import ModelRegistry
     from embgeom.corpora import bbc_texts
-    from embgeom.sources import minilm_path
+    from embgeom.settings import Settings
 
-    tokenizer = AutoTokenizer.from_pretrained(str(minilm_path()))
+    settings = Settings()
+    registry = ModelRegistry.from_settings(settings)
+    tokenizer, window = registry.tokenizer("minilm"), registry.info("minilm").max_length
+    rule = CountingRule(layers=(0,))
     texts = bbc_texts("paragraphs")
     if limit is not None:
         texts = texts[:limit]
     batches, jobs, tokens = [], [], 0
     t0 = time.perf_counter()
-    encoded = [encode(tokenizer, texts[i:i + texts_per_job], max_length)
-               for i in range(0, len(texts), texts_per_job)]
+    prepared = [padded_batches(tokenizer, texts[i:i + texts_per_job], rule, window,
+                               settings.token_budget, getattr(tokenizer, "pad_token_id", None) or 0)[1]
+                for i in range(0, len(texts), texts_per_job)]
     tokenize_seconds = time.perf_counter() - t0
-    for enc in encoded:
+    for padded in prepared:
         job = []
-        for windows in batches_by_token_budget(enc.lengths, token_budget):
-            batch = pad_batch(enc, windows, 0)
+        for batch in padded:
             keys = batch.keys[batch.counted]
             ids, counts = np.unique(keys, return_counts=True)
             job.append(len(batches))

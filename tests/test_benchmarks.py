@@ -10,16 +10,33 @@ from __future__ import annotations
 import numpy as np
 
 from benchmarks import run
+from embgeom.compute.engine import CountingRule, Engine
+from embgeom.compute.models import ModelPool, ModelRegistry
+from embgeom.corpora import bbc_texts
+from embgeom.settings import Settings
 from benchmarks.replay import record_bbc
 from benchmarks.shapes import DENSE_MODELS, REPLAY_SHAPES
 
 
 def test_recording_is_the_services_own_batching():
+    """The recorded batches are those a worker's engine prepares for the same job (the
+    model's window length, the service's token budget), not a restatement of them."""
     rec = record_bbc(limit=400)
     assert rec.tokens == sum(b[2] for b in rec.batches) > 0
     assert sorted(i for job in rec.jobs for i in job) == list(range(len(rec.batches)))
     for ids, n, N in rec.batches:
         assert np.all(np.diff(ids) > 0) and n.sum() == N  # unique sorted keys, exact counts
+    settings = Settings()
+    registry = ModelRegistry.from_settings(settings)
+    engine = Engine(ModelPool(registry, "cpu", 1).get("minilm"), CountingRule(layers=(0,)),
+                    settings.token_budget)
+    job = engine.prepare(bbc_texts("paragraphs")[:250])
+    assert engine.window == registry.info("minilm").max_length == 512
+    assert len(job.batches) == len(rec.jobs[0])
+    for batch, b in zip(job.batches, rec.jobs[0]):
+        keys, counts = np.unique(batch["keys"][batch["counted"]].numpy(), return_counts=True)
+        np.testing.assert_array_equal(keys, rec.batches[b][0])
+        np.testing.assert_array_equal(counts, rec.batches[b][1])
 
 
 def test_replay_goes_through_the_real_worker_and_store():

@@ -25,7 +25,7 @@ from embgeom.compute.positions import PaddedBatch, batches_by_token_budget, enco
 from embgeom.compute.reduce import PRECISIONS, reduce_batch
 from embgeom.stats import LayerMoments, TokenMoments
 
-__all__ = ["CountingRule", "PreparedJob", "Engine", "POOLINGS", "pool_words", "text_embeddings"]
+__all__ = ["CountingRule", "PreparedJob", "Engine", "padded_batches", "POOLINGS", "pool_words", "text_embeddings"]
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,17 @@ class PreparedJob:
     names: dict = field(default_factory=dict)
 
 
+def padded_batches(tokenizer, texts: Sequence[str], rule: CountingRule, window: int,
+                   token_budget: int, pad_id: int) -> tuple[object, list[PaddedBatch]]:
+    """A job's texts as the service batches them: cut into windows of ``window`` tokens
+    under ``rule``, grouped into right-padded batches of at most ``token_budget`` padded
+    tokens (at least one window each). Returns ``(encoding, batches)``; host work, no
+    model (the benchmarks record exactly this)."""
+    enc = encode(tokenizer, texts, window, rule.include_special, rule.key, rule.unit)
+    budget = max(token_budget, window)
+    return enc, [pad_batch(enc, w, pad_id) for w in batches_by_token_budget(enc.lengths, budget)]
+
+
 class Engine:
     """Forward + reduction of one loaded model under one counting rule."""
 
@@ -71,12 +82,10 @@ class Engine:
 
     def prepare(self, texts: Sequence[str]) -> PreparedJob:
         """Tokenise and batch (host work; thread-safe)."""
-        enc = encode(self.loaded.tokenizer, texts, self.window, self.rule.include_special,
-                     self.rule.key, self.rule.unit)
-        batches = []
-        for windows in batches_by_token_budget(enc.lengths, self.token_budget):
-            batches.append(self._to_tensors(pad_batch(enc, windows, self.loaded.pad_id)))
-        return PreparedJob(batches, enc.num_units, enc.num_windows, enc.names)
+        enc, padded = padded_batches(self.loaded.tokenizer, texts, self.rule, self.window,
+                                     self.token_budget, self.loaded.pad_id)
+        return PreparedJob([self._to_tensors(b) for b in padded], enc.num_units,
+                           enc.num_windows, enc.names)
 
     def _to_tensors(self, batch: PaddedBatch) -> dict:
         names = ("input_ids", "attention", "keys", "counted")
