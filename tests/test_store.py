@@ -506,3 +506,32 @@ def test_running_sums_do_not_drift_over_many_checkpoints(r):
     assert worst["bucket_rel"] <= 2 * U, worst
     assert worst["within_rel"] <= 2 * U, worst
     assert worst["emptied_abs"] <= U * U * worst["emptied_scale"], worst
+
+
+def test_head_reads_do_not_depend_on_redis_hash_order():
+    """Redis may return a hash's fields in another order after it reloads its data; the
+    merged head must be the same bits (a restart changed the last bit of M before)."""
+    from embgeom.store import codec
+    from embgeom.store.layers import merge_head, ordered_segments
+
+    rng = np.random.default_rng(3)
+    L_, d_ = 2, 8
+    fields = {}
+    for name in (b"base", b"cp-01", b"cp-02", b"cp-03", b"cp-04"):
+        n = int(rng.integers(1, 1000))
+        row = np.concatenate([np.full((L_, 1), float(n)), 1e3 + rng.standard_normal((L_, d_)),
+                              rng.random((L_, 1)) * 1e3, rng.standard_normal((L_, d_)),
+                              rng.random((L_, d_))], axis=1)
+        fields[name] = row.astype(codec.F64).tobytes()
+    reversed_fields = dict(reversed(list(fields.items())))
+
+    def head(f):
+        return merge_head([codec.from_head(v, L_, d_) for v in ordered_segments(f)], L_, d_)
+
+    a, b = head(fields), head(reversed_fields)
+    assert ordered_segments(reversed_fields)[0] == fields[b"base"]
+    for key in ("mean", "m2", "unit_sum"):
+        np.testing.assert_array_equal(a[key], b[key])
+    # the order matters to the bits: merging in the other order is not the same
+    c = merge_head([codec.from_head(v, L_, d_) for v in reversed_fields.values()], L_, d_)
+    assert not all(np.array_equal(a[k], c[k]) for k in ("mean", "m2"))

@@ -40,6 +40,14 @@ def layer_parts(parts: PartKeys, conf: PairConf) -> list[tuple[str, Optional[int
     return out
 
 
+def ordered_segments(fields: dict) -> list[bytes]:
+    """A part's segment values (an HGETALL of ``:seg``) in a fixed order, "base" first,
+    then by checkpoint id: Redis's hash order changes when it reloads its data, and the
+    merges' rounding follows their order, so every read of the same data gives the same
+    bits only in an order that is part of the data."""
+    return [fields[k] for k in sorted(fields, key=lambda k: (k != b"base", k))]
+
+
 def merge_head(segments: list[dict], L: int, d: int) -> dict:
     """Chan-merge head segments: n, mean (L, d), m2 (L,), unit_sum, unit_sq_sum."""
     out = {"n": 0, "mean": np.zeros((L, d)), "m2": np.zeros(L), "unit_sum": np.zeros((L, d)),
@@ -134,8 +142,7 @@ class LayerWriter:
                 cps = [k for k in fields if k != b"base"]
                 if len(cps) < 2:
                     continue
-                raws = [fields[b"base"]] if b"base" in fields else []
-                raws += [fields[k] for k in cps]
+                raws = ordered_segments(fields)
                 if kind == "head":
                     merged = merge_head([codec.from_head(r, conf.L, conf.d) for r in raws], conf.L, conf.d)
                     base = np.concatenate(

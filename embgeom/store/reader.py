@@ -33,7 +33,7 @@ from embgeom.store import codec
 from embgeom.store import keys as K
 from embgeom.store.conf import PairConf, shard_of
 from embgeom.store.keys import PairKeys
-from embgeom.store.layers import comoment_from_chunks, merge_chunks, merge_head
+from embgeom.store.layers import comoment_from_chunks, merge_chunks, merge_head, ordered_segments
 from embgeom.store.scripts import SCAN_SLICES, SLICES
 
 __all__ = ["Plan", "run_sync", "run_async", "PairState", "Scalars", "BoundedCache", "Reader"]
@@ -282,7 +282,7 @@ class Reader:
         """Merged head of every kept layer: n, mean (L, d), m2 (L,), unit sums."""
         conf = state.conf
         (fields,) = yield [("hgetall", state.pair.parts(state.gen).head.seg)]
-        return merge_head([codec.from_head(v, conf.L, conf.d) for v in fields.values()],
+        return merge_head([codec.from_head(v, conf.L, conf.d) for v in ordered_segments(fields)],
                           conf.L, conf.d)
 
     def aggs(self, state: PairState) -> Plan:
@@ -428,12 +428,12 @@ class Reader:
         j_count = len(conf.chunks) - 1
         replies = yield [("hgetall", parts.head.seg)] + \
             [("hgetall", parts.chunk(layer, j).seg) for j in range(j_count)]
-        head = merge_head([codec.from_head(v, conf.L, conf.d) for v in replies[0].values()],
+        head = merge_head([codec.from_head(v, conf.L, conf.d) for v in ordered_segments(replies[0])],
                           conf.L, conf.d)
         chunks = []
         for j, fields in enumerate(replies[1:]):
             r0, r1 = conf.chunks[j], conf.chunks[j + 1]
-            chunks.append((r0, r1, merge_chunks(list(fields.values()), conf.d, r0, r1)[2]))
+            chunks.append((r0, r1, merge_chunks(ordered_segments(fields), conf.d, r0, r1)[2]))
         return {"n": head["n"], "mean": head["mean"][position], "m2": head["m2"][position],
                 "comoment": comoment_from_chunks(chunks, conf.d),
                 "unit_sum": head["unit_sum"][position], "unit_sq_sum": head["unit_sq_sum"][position]}
