@@ -121,6 +121,9 @@ class Figure(bytes):
     def __repr__(self) -> str:
         return f"<Figure {self.format}, {len(self)} bytes>"
 
+    def __reduce__(self):
+        return Figure, (bytes(self), self.format)
+
     def save(self, path) -> None:
         with open(path, "wb") as out:
             out.write(self)
