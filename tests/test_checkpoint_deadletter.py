@@ -180,6 +180,46 @@ def test_exhausted_checkpoint_of_a_dead_owner_is_dead_lettered_on_adoption(r):
     assert r.zcard(pair.inflight) == 0
 
 
+def test_runs_that_make_progress_are_not_failed_tries(r):
+    """Tries count runs without progress. Each run here applies some pieces, then its
+    worker stops (killed, or too slow on a loaded host to renew its lease): the third run
+    used to find the checkpoint exhausted and dead-letter it, its jobs failed while the
+    pieces applied stayed counted (the 20-minute soak counted 2,062 tokens of two failed
+    jobs). Now every adoption after progress is a new budget, and the third run completes
+    it exactly. A run that applies nothing still spends a try
+    (test_exhausted_checkpoint_of_a_dead_owner_is_dead_lettered_on_adoption)."""
+    pair, conf, keys, x, window, jobs = a_window(r, "progress", 9, 200)
+    shards = sorted(set(shard_of(window.tokens.ids, conf.shards).tolist()))
+    planted = [pair.parts(0).shard(s).scal for s in shards[:2]]
+    for key in planted:
+        r.set(key, "not a hash")
+    cp = new_checkpoint_id()
+    owner = Checkpointer(r, "owner", lease_ms=1)
+    assert owner.seal(pair, 0, cp, jobs, pair.jobs, 3).status == "sealed"
+    with pytest.raises(EmbgeomError):
+        owner.apply_and_complete(pair, conf, cp, window, jobs, 3)  # all but two shards
+    first = owner.applied(pair, conf, cp)[0]
+    assert first > 0
+    r.delete(planted[0])
+    time.sleep(0.01)
+    second = Checkpointer(r, "second", lease_ms=1)
+    record = second.adopt(pair, cp, max_tries=2)
+    assert record["status"] == "adopted"
+    with pytest.raises(EmbgeomError):
+        second.apply_and_complete(pair, conf, cp, window, held_of(record), 3)  # one shard more
+    assert second.applied(pair, conf, cp)[0] > first
+    r.delete(planted[1])
+    time.sleep(0.01)
+    third = Checkpointer(r, "third")
+    record = third.adopt(pair, cp, max_tries=2)
+    assert record["status"] == "adopted", record
+    assert third.apply_and_complete(pair, conf, cp, window, held_of(record), 3).status == "completed"
+    assert_matches(r, pair, reference(keys, x))
+    assert r.zcard(pair.deadletter) == 0
+    for j in jobs:
+        assert JobQueue(r).status(j.job_id)["status"] == "done"
+
+
 def test_out_of_memory_gives_up_then_an_adopter_completes_exactly(r):
     """Redis out of memory (maxmemory, noeviction) refuses every write: the owner gives up
     at once (no blind retry), cannot even record it (its lease runs out by itself);

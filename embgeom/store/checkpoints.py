@@ -24,7 +24,9 @@ A checkpoint that cannot finish ends, with a reason. Its owner retries transient
 on a refusal that a retry would meet again (:class:`~embgeom.errors.CheckpointRefused`:
 a script error, WRONGTYPE, OOM; a :class:`~embgeom.errors.CheckTooOld`). Giving up
 (:meth:`Checkpointer.give_up`) records the error and releases the lease, so another worker
-adopts it; every run counts a *try* (the seal is the first). Once its tries are spent it
+adopts it; every run counts a *try* (the seal is the first), and an adoption that finds
+more of it applied than the last one starts the count again: a run that was killed or lost
+its lease on a slow host after applying pieces was not stuck. Once its tries are spent it
 is *dead-lettered* (:meth:`Checkpointer.dead_letter`): it leaves ``inflight`` (readers'
 ``applying`` goes back down) for the pair's ``deadletter`` set, its jobs fail with an error
 that says how much of it was applied, their entries are acknowledged. Pieces applied
@@ -165,13 +167,17 @@ class Checkpointer:
         """Take over a sealed checkpoint whose owner went silent (or gave it up): returns
         its record with the jobs' new epochs (``status`` "adopted"), or None (completed,
         dead-lettered, or its owner is alive). With ``max_tries``, a checkpoint already
-        tried that often is not taken: its record comes back with ``status``
-        "exhausted", for the caller to dead-letter."""
+        tried that often *without progress* is not taken: its record comes back with
+        ``status`` "exhausted", for the caller to dead-letter. Progress is what of it is
+        applied (:meth:`applied`): a run that applied pieces before it was killed, or
+        that was slow enough to lose its lease on a loaded host, is not a failed try (the
+        soak dead-lettered a healthy checkpoint that way, its pieces counted, its jobs
+        failed)."""
         record = self.record(pair, cp)
         if record is None:
             return None
         out = ADOPT(self.r, [pair.checkpoint(cp)] + [pair.job(j) for j in record["jobs"]],
-                    [self.worker_id, self.lease_ms, max_tries])
+                    [self.worker_id, self.lease_ms, max_tries, self.progress(pair, record)])
         if out[0] == -2:
             record.update(status="exhausted", tries=int(out[1]))
             return record
@@ -180,6 +186,15 @@ class Checkpointer:
         record.update(status="adopted", epochs=[int(e) for e in out[1:]])
         self.count(adopted=1)
         return record
+
+    def progress(self, pair: PairKeys, record: dict) -> int:
+        """Token pieces plus layer parts of checkpoint ``record`` applied so far; -1 when
+        its generation's config is gone (a DELETE: nothing to compare)."""
+        raw = self.r.get(pair.conf(record["gen"]))
+        if raw is None:
+            return -1
+        pieces, _, heads = self.applied(pair, PairConf.from_json(raw), record["cp"])
+        return pieces + heads
 
     def renew(self, pair: PairKeys, cp: str) -> bool:
         return RENEW(self.r, [pair.checkpoint(cp)], [self.worker_id, self.lease_ms]) == 1

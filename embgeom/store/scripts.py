@@ -132,7 +132,9 @@ return {1, v}
 
 # Adopt a sealed checkpoint whose owner went silent (or gave it up): bump the epoch of each
 # of its jobs (fencing the old owner's job-level writes), take its lease, count the try.
-# KEYS: cp, job... ARGV: owner, lease_ms, max_tries (0: no limit)
+# A try is a run without progress: ``progress`` (pieces and layer parts of it applied, or -1
+# when unknown) above the last adoption's resets the count.
+# KEYS: cp, job... ARGV: owner, lease_ms, max_tries (0: no limit), progress
 # -> {1, epoch...} | {0} (gone, or dead-lettered) | {-1} (owner alive) | {-2, tries} (its
 # tries are spent: the caller dead-letters it)
 ADOPT = Script("""
@@ -144,6 +146,13 @@ if tonumber(redis.call('HGET', KEYS[1], 'lease_until') or '0') > now and owner ~
   return {-1}
 end
 local tries = tonumber(redis.call('HGET', KEYS[1], 'tries') or '1')
+local progress = tonumber(ARGV[4] or '-1')
+if progress > tonumber(redis.call('HGET', KEYS[1], 'progress') or '0') then
+  -- The runs since the last adoption applied pieces: they were slow or were killed, not
+  -- stuck. Tries count runs without progress, so this adoption starts a new budget.
+  redis.call('HSET', KEYS[1], 'progress', progress)
+  tries = 1
+end
 if tonumber(ARGV[3] or '0') > 0 and tries >= tonumber(ARGV[3]) then return {-2, tries} end
 redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'lease_until', now + tonumber(ARGV[2]),
            'tries', tries + 1)
