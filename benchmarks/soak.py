@@ -48,7 +48,7 @@ At the end the load stops, every job is waited for, and the store is checked:
 Acceptance, one PASS/FAIL line each: RSS flat over the last two thirds of the load, from
 when the restarted processes hold their models again (:func:`rss_growth`: growth <= 5% +
 50 MB; a worker's samples compared per set of models it held), no checkpoint sealed longer than two leases
-with the same owner (adoption by another worker is progress), no 5xx but 503 while Redis
+without progress (an adoption, or more pieces applied), no 5xx but 503 while Redis
 was down, every job ended, no process died unless killed here, every count exact, values
 within tolerance. The exit status is 1 when a line fails.
 
@@ -674,6 +674,7 @@ class Soak:
     # ---------------------------------------------------------------- sampler
 
     def sampler(self) -> None:
+        from embgeom.store.checkpoints import Checkpointer
         from embgeom.store.connection import redis_client
         from embgeom.store.keys import PairKeys
 
@@ -698,6 +699,7 @@ class Soak:
             try:
                 if client is None:
                     client = redis_client(self.redis.url, socket_timeout=5)
+                    checkpoints = Checkpointer(client, "soak-sampler")
                 info = client.info("memory")
                 with self.log.lock:
                     self.log.redis_mem.append((t, round(info["used_memory"] / 2**20, 1),
@@ -709,7 +711,9 @@ class Soak:
                     for cp, sealed in client.zrange(keys.inflight, 0, -1, withscores=True):
                         cp = cp.decode() if isinstance(cp, bytes) else cp
                         owner = client.hget(keys.checkpoint(cp), "owner")
-                        self.track_checkpoint(f"{c}/{m}/{cp}", sealed, owner, now_ms)
+                        record = checkpoints.record(keys, cp)
+                        progress = checkpoints.progress(keys, record) if record else -1
+                        self.track_checkpoint(f"{c}/{m}/{cp}", sealed, owner, now_ms, progress)
                         seen.append(f"{c}/{m}/{cp}")
                 with self.log.lock:
                     self.log.inflight_now = seen
@@ -742,19 +746,24 @@ class Soak:
         return {c.role: by_id[c.args[c.args.index("--worker-id") + 1]] for c in self.workers
                 if c.args[c.args.index("--worker-id") + 1] in by_id}
 
-    def track_checkpoint(self, name: str, sealed_ms: float, owner, now_ms: float) -> None:
+    def track_checkpoint(self, name: str, sealed_ms: float, owner, now_ms: float, progress: int = -1) -> None:
+        """Progress of a sealed checkpoint is a new owner (an adoption) or more of it
+        applied (pieces, layer parts); ``stalled_s`` is the longest time without either."""
         owner = owner.decode() if isinstance(owner, bytes) else owner
         with self.log.lock:
             rec = self.log.checkpoints.get(name)
             if rec is None:
                 rec = self.log.checkpoints[name] = {"sealed_ms": sealed_ms, "owner": owner,
                                                     "owner_since_ms": sealed_ms, "owners": 1,
-                                                    "stalled_s": 0.0}
+                                                    "progress": progress, "stalled_s": 0.0}
+            # Up to this sample: progress seen now happened at most this long after the last.
+            rec["stalled_s"] = max(rec["stalled_s"], round((now_ms - rec["owner_since_ms"]) / 1000, 2))
             if owner != rec["owner"]:
                 rec["owner"], rec["owner_since_ms"], rec["owners"] = owner, now_ms, rec["owners"] + 1
+            if progress > rec.get("progress", -1):
+                rec["progress"], rec["owner_since_ms"] = progress, now_ms
             rec["last_ms"] = now_ms
             rec["sealed_s"] = round((now_ms - sealed_ms) / 1000, 2)
-            rec["stalled_s"] = max(rec["stalled_s"], round((now_ms - rec["owner_since_ms"]) / 1000, 2))
 
     # ----------------------------------------------------------------- faults
 
@@ -1002,9 +1011,9 @@ class Soak:
             ("RSS flat over the last two thirds (growth <= 5% + 50 MB; workers per set of loaded models)",
              all(r["ok"] for r in rss.values()),
              "; ".join(f"{k} {r['growth_mb']:+.0f} MB (limit {r['limit_mb']:.0f})" for k, r in rss.items())),
-            (f"no checkpoint sealed longer than two leases ({limit:g} s) without progress",
+            (f"no checkpoint sealed longer than two leases ({limit:g} s) without progress (a new owner or more applied)",
              stalled <= limit and not still,
-             f"longest without a new owner {stalled:.1f} s, longest sealed {sealed:.1f} s"
+             f"longest without progress {stalled:.1f} s, longest sealed {sealed:.1f} s"
              + (f"; still sealed at the end: {still}" if still else "")),
             ("no 5xx but 503 during the Redis outage", not bad,
              f"{len(bad)} other 5xx, {len(allowed)} 503 during the outage"),
@@ -1190,7 +1199,7 @@ def table(res: dict) -> str:
         lines.append(f"  {pair:<22} {v['bytes'] / 2**20:8.1f} MB  {v['per_type_layer'] or '-':>10}")
     cp = res["checkpoints"]
     lines.append(f"checkpoints: {cp['count']} sealed seen; longest sealed {cp['longest_sealed_s']:.1f} s, "
-                 f"longest without a new owner {cp['longest_without_progress_s']:.1f} s")
+                 f"longest without progress (a new owner or more applied) {cp['longest_without_progress_s']:.1f} s")
     lines.append(f"5xx: {len(res['errors_5xx'])} ({len(res['errors_5xx_not_allowed'])} outside the Redis outage)")
     for e in res["errors_5xx_not_allowed"][:8]:
         lines.append(f"  {e['t']:7.1f}s {e['status']} {e['endpoint']}: {e['body'][:150]}")

@@ -107,3 +107,18 @@ def test_soak_three_minutes(tmp_path):
     assert {c["pair"].split("/")[0] for c in res["counts"] if c["texts"]} == set(soak.PLANS["quick"])
     assert res["deletes"] and len(res["faults"]) == len(soak.FAULTS)
     assert res["values"] and res["latency"]
+
+
+def test_checkpoint_progress_is_an_adoption_or_more_applied(tmp_path):
+    """A checkpoint whose owner keeps applying pieces is progressing; one whose owner and
+    applied count stay the same for 30 s is stalled 30 s."""
+    s = soak.Soak(1, "quick", tmp_path)
+    for t, progress in [(0, 0), (10_000, 4), (20_000, 9), (30_000, 15)]:
+        s.track_checkpoint("c/m/busy", 0, b"w0", t, progress)
+    for t in (0, 10_000, 20_000, 30_000):
+        s.track_checkpoint("c/m/stuck", 0, b"w0", t, 3)
+    s.track_checkpoint("c/m/adopted", 0, b"w0", 0, 0)
+    s.track_checkpoint("c/m/adopted", 0, b"w1", 25_000, 0)
+    s.track_checkpoint("c/m/adopted", 0, b"w1", 30_000, 0)
+    got = {k.rsplit("/", 1)[1]: v["stalled_s"] for k, v in s.log.checkpoints.items()}
+    assert got == {"busy": 10.0, "stuck": 30.0, "adopted": 25.0}
