@@ -37,7 +37,7 @@ cleanup() {
     fi
     $PODMAN image prune --force >/dev/null 2>&1 || true
     # podman's own pod infra image, made for the pod (kept while another pod uses it)
-    $PODMAN rmi "$($PODMAN version --format 'localhost/podman-pause:{{.Server.Version}}-0')" >/dev/null 2>&1 || true
+    $PODMAN rmi "localhost/podman-pause:$($PODMAN version --format '{{.Client.Version}}')-0" >/dev/null 2>&1 || true
   fi
   log "removed the pod, its containers and volume$([ "$KEEP_IMAGES" = 1 ] || echo ', the images')"
   exit "$rc"
@@ -105,5 +105,9 @@ echo "containers' health after the test:"
 wait_healthy 120
 $PODMAN ps --pod --filter "pod=$POD" --format '  {{.Names}}  {{.Status}}'
 size=$(image_size "$IMAGE")
-echo "image $IMAGE: $(human_size "$size") ($size bytes)"
+user=$($PODMAN image inspect --format '{{.Config.User}}' "$IMAGE")
+[ -n "$user" ] && [ "${user%%:*}" != 0 ] && [ "${user%%:*}" != root ] || { echo "image runs as root" >&2; exit 1; }
+$PODMAN image inspect --format '{{json .Config.Healthcheck}}' "$IMAGE" | grep -q /healthz \
+  || { echo "image has no /healthz HEALTHCHECK" >&2; exit 1; }
+echo "image $IMAGE: $(human_size "$size") ($size bytes), user $user, HEALTHCHECK on /healthz"
 echo "container test passed"
