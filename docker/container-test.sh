@@ -24,6 +24,7 @@ cleanup() {
   local rc=$?
   if [ "$rc" -ne 0 ]; then
     for c in redis api "${WORKERS[@]}"; do
+      $PODMAN container exists "$NAME-$c" 2>/dev/null || continue
       echo "--- logs of $NAME-$c (last 40 lines)" >&2
       $PODMAN logs --tail 40 "$NAME-$c" >&2 2>&1 || true
     done

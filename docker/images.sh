@@ -17,7 +17,7 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/podman-env.sh"
 cd "$ROOT"
 
-need_packages podman runc
+need_commands podman runc
 
 # The Debian mirror apt uses here (deb822 .sources or one-line .list entries for the suite).
 debian_mirror() {
@@ -68,7 +68,7 @@ fi
 
 if [ "$BASE" = debian ]; then
   if ! $PODMAN image exists "$DEBIAN_IMAGE"; then
-    need_packages debootstrap
+    need_commands debootstrap
     mirror=${DEBIAN_MIRROR:-$(debian_mirror)}
     rootfs=$(mktemp -d /tmp/embgeom-rootfs.XXXXXX)
     trap 'rm -rf "$rootfs"' EXIT

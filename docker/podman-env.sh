@@ -22,10 +22,11 @@ fi
 
 log() { printf '[%s] %s\n' "$(date +%T)" "$*" >&2; }
 
-# Debian's packages a step needs, installed as root (sudo where there is one).
-need_packages() {
-  local missing=() pkg
-  for pkg in "$@"; do dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg"); done
+# The commands a step needs, each from the Debian package of its name, installed as root
+# (sudo where there is one) when missing.
+need_commands() {
+  local missing=() cmd
+  for cmd in "$@"; do command -v "$cmd" >/dev/null || missing+=("$cmd"); done
   [ ${#missing[@]} -eq 0 ] && return 0
   local sudo; sudo=$(command -v sudo || true)
   log "installing ${missing[*]}"
