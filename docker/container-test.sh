@@ -36,13 +36,17 @@ cleanup() {
     if [ "$BASE" = debian ]; then
       $PODMAN rmi --force "$REDIS_IMAGE" "$PYTHON_IMAGE" "$DEBIAN_IMAGE" >/dev/null 2>&1 || true
     fi
-    $PODMAN image prune --force >/dev/null 2>&1 || true
+    # the build's untagged intermediate images: the dangling ones that were not there before
+    comm -13 <(printf '%s\n' "$dangling_before" | sort) <(dangling | sort) \
+      | xargs -r $PODMAN rmi --force >/dev/null 2>&1 || true
     # podman's own pod infra image, made for the pod (kept while another pod uses it)
     $PODMAN rmi "localhost/podman-pause:$($PODMAN version --format '{{.Client.Version}}')-0" >/dev/null 2>&1 || true
   fi
   log "removed the pod, its containers and volume$([ "$KEEP_IMAGES" = 1 ] || echo ', the images')"
   exit "$rc"
 }
+dangling() { $PODMAN images --quiet --no-trunc --filter dangling=true 2>/dev/null || true; }
+dangling_before=$(command -v "$PODMAN" >/dev/null && dangling || true)
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 
@@ -54,8 +58,9 @@ port=$("$PYTHON" -c 'from embgeom.store.server import free_port; print(free_port
 # API's port is published, on the host's loopback.
 $PODMAN pod create --name "$POD" -p "127.0.0.1:$port:8080" >/dev/null
 $PODMAN volume create "$VOLUME" >/dev/null
-# Health checks are run below with `podman healthcheck run` (there may be no systemd to
-# time them): --health-interval disable keeps each image's check and drops its timer.
+# Health checks are run below with `podman healthcheck run`: there may be no systemd to
+# time them (--health-interval disable: no timer for the checks given here; for an image's
+# own HEALTHCHECK podman still tries one and says it cannot, which quiet filters).
 # Settings reach the containers only as EMBGEOM_* variables.
 redis_url=redis://127.0.0.1:6379/0
 # Without systemd podman cannot time an image's own health check and says so on each run.
