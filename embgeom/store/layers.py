@@ -10,7 +10,8 @@ more than ``max_segments`` segments, the worker that noticed folds them into the
 late rewrite of a folded segment is refused.
 
 Readers merge the base and the segments present (:func:`merge_head`,
-:func:`merge_chunks`): both are exact Chan merges, in any order.
+:func:`merge_chunks`): both are :func:`embgeom.stats.chan_merge` (and its co-moment form),
+exact in any order.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import numpy as np
 import redis
 
 from embgeom.errors import CheckTooOld, GenerationDeleted
-from embgeom.stats import LayerMoments
+from embgeom.stats import LayerMoments, chan_merge, chan_merge_comoment
 from embgeom.store import codec
 from embgeom.store.conf import PairConf
 from embgeom.store.keys import PartKeys, PartTag
@@ -53,15 +54,12 @@ def merge_head(segments: list[dict], L: int, d: int) -> dict:
     out = {"n": 0, "mean": np.zeros((L, d)), "m2": np.zeros(L), "unit_sum": np.zeros((L, d)),
            "unit_sq_sum": np.zeros((L, d))}
     for seg in segments:
-        n = out["n"] + seg["n"]
         if seg["n"] == 0:
             continue
-        delta = seg["mean"] - out["mean"]
-        out["m2"] = out["m2"] + seg["m2"] + (delta * delta).sum(-1) * (out["n"] * seg["n"] / n)
-        out["mean"] = out["mean"] + delta * (seg["n"] / n)
+        out["n"], out["mean"], out["m2"], _ = chan_merge(out["n"], out["mean"], out["m2"],
+                                                         seg["n"], seg["mean"], seg["m2"])
         out["unit_sum"] = out["unit_sum"] + seg["unit_sum"]
         out["unit_sq_sum"] = out["unit_sq_sum"] + seg["unit_sq_sum"]
-        out["n"] = n
     return out
 
 
@@ -73,11 +71,8 @@ def merge_chunks(raws: list[bytes], d: int, r0: int, r1: int) -> tuple[int, np.n
         nb, mb, cb = codec.from_chunk(raw, d, r0, r1)
         if nb == 0:
             continue
-        total = n + nb
-        delta = mb - mean
-        c = c + cb + delta[rows] * delta[cols] * (n * nb / total)
-        mean = mean + delta * (nb / total)
-        n = total
+        c = chan_merge_comoment(n, mean, c, nb, mb, cb, index=(rows, cols))
+        n, mean, _, _ = chan_merge(n, mean, 0.0, nb, mb, 0.0)
     return n, mean, c
 
 
