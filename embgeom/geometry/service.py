@@ -72,6 +72,9 @@ RANDOM_MAP_DRAWS = 32
 ID_METHODS = ("local_pca", "twonn", "mle")
 # Token pairs a global-similarity figure plots by default (a seeded sample).
 FIGURE_PAIRS = 20_000
+# What /v1/compare/global answers, each beside its baseline.
+GLOBAL_SCORES = ("pearson_cosine", "cka_linear", "procrustes_residual", "unbiased_cka",
+                 "mutual_knn", "cknna")
 
 
 @dataclass(frozen=True)
@@ -404,33 +407,41 @@ class Geometry:
 
     # ---------------------------------------------------------- global similarity
     def compare_global(self, a: Space, b: Space, min_count: int = 5,
-                       sample: Optional[int] = None, seed: int = 0) -> dict:
-        """Pearson of cosines, linear CKA and Procrustes residual of two spaces over their
-        shared tokens (or a seeded sample of them), each beside a shuffled baseline.
+                       sample: Optional[int] = None, seed: int = 0, k: int = 10) -> dict:
+        """Every global measure of two spaces over their shared tokens (or a seeded sample
+        of them), each beside a shuffled baseline (:func:`embgeom.geometry.similarity.
+        global_similarity`).
 
         ``pearson_cosine``: Pearson r between ``cos(a_i, a_j)`` and ``cos(b_i, b_j)`` over
         all pairs i < j of used tokens (1: the same relative orientations; about 0 for
         unrelated spaces). ``cka_linear``: linear CKA of the column-centred matrices (1 for
-        a rotation and scaling; about ``sqrt(d_a d_b) / m`` for unrelated ones).
-        ``procrustes_residual``: ``min_R ||A_n R - B_n||_F^2`` over orthogonal R after
-        centring, scaling to unit Frobenius norm and zero-padding the narrower space
-        (0: the same shape; up to 2). ``baseline``: the same three with b's rows shuffled
+        a rotation and scaling; about ``sqrt(d_a d_b) / m`` for unrelated ones, near 1 when
+        m is not much larger than d). ``unbiased_cka``: the same with the debiased HSIC
+        (about 0 for unrelated spaces whatever m and d). ``procrustes_residual``:
+        ``min_R ||A_n R - B_n||_F^2`` over orthogonal R after centring, scaling to unit
+        Frobenius norm and zero-padding the narrower space (0: the same shape; up to 2).
+        ``mutual_knn``: mean share of a token's ``k`` nearest tokens by cosine common to
+        both spaces (chance ``k / (m - 1)``). ``cknna``: debiased CKA of the cosine kernels
+        restricted to mutual neighbours. ``baseline``: each with b's rows shuffled
         (seeded): what these marginal geometries give without a correspondence.
         """
         if seed < 0:
             raise InvalidInput("seed must be >= 0", type="invalid_seed")
-        return self._global(self.tokens(a, min_count), self.tokens(b, min_count), sample, seed)
+        return self._global(self.tokens(a, min_count), self.tokens(b, min_count), sample, seed, k)
 
-    def _global(self, ta: SpaceTokens, tb: SpaceTokens, sample: Optional[int], seed: int) -> dict:
-        key = ("global", ta.ident, tb.ident, sample, seed)
+    def _global(self, ta: SpaceTokens, tb: SpaceTokens, sample: Optional[int], seed: int,
+                k: int = 10) -> dict:
+        key = ("global", ta.ident, tb.ident, sample, seed, k)
 
         def compute():
-            s = self._shared(ta, tb, self.limits.max_tokens, sample, seed, 3)
-            g = similarity.global_similarity(s["Xa"], s["Xb"], None, seed)
-            return {**s["header"], "pairs": g["pairs"],
-                    "pearson_cosine": _f(g["pearson_cosine"]), "cka_linear": _f(g["cka_linear"]),
-                    "procrustes_residual": _f(g["procrustes_residual"]),
-                    "baseline": {k: _f(v) for k, v in g["baseline"].items()},
+            self._check_k(k, self.limits.max_tokens)
+            s = self._shared(ta, tb, self.limits.max_tokens, sample, seed, 4)
+            self._check_k(k, s["Xa"].shape[0])
+            g = similarity.global_similarity(s["Xa"], s["Xb"], None, seed, k)
+            scores = {name: _f(g[name]) for name in GLOBAL_SCORES}
+            return {**s["header"], "pairs": g["pairs"], "k": g["k"], **scores,
+                    "chance_mutual_knn": k / (s["Xa"].shape[0] - 1),
+                    "baseline": {name: _f(g["baseline"][name]) for name in GLOBAL_SCORES},
                     "as_of": self._as_of(ta, tb)}
 
         return self._cached(key, (ta, tb), compute)

@@ -65,10 +65,11 @@ MinCount = Annotated[int, Query(ge=1, le=MAX_INT, description="Token types with 
 @router.post("/compare/global", response_model=GlobalSimilarity, responses=MODEL_RESPONSES)
 def compare_global(body: GlobalRequest, request: Request):
     """Global similarity of two spaces over their shared tokens: Pearson correlation of
-    the pairwise cosine similarities, linear CKA and the orthogonal Procrustes residual,
-    each beside a baseline with the token correspondence shuffled."""
+    the pairwise cosine similarities, linear CKA (biased and debiased), the orthogonal
+    Procrustes residual, mutual k-NN and CKNNA, each beside a baseline with the token
+    correspondence shuffled."""
     return FastJSON(geometry_of(request).compare_global(
-        body.a.to_space(), body.b.to_space(), body.min_count, body.sample, body.seed))
+        body.a.to_space(), body.b.to_space(), body.min_count, body.sample, body.seed, body.k))
 
 
 @router.post("/compare/lle", response_model=LLEResult, responses=MODEL_RESPONSES)
