@@ -63,6 +63,7 @@ _NEEDS = {
     "isotropy": {"isotropy"},
     "outliers": {"outliers"},
     "spectrum": {"spectrum"},
+    "cka": {"similarity"},
 }
 
 
@@ -262,6 +263,8 @@ def _snapshot(reader: Reader, pair: PairKeys, needs: set, count_filter: reports.
         snap["eigenvalues"] = iso["eigenvalues"]
     if "outliers" in needs:
         snap["outliers"] = yield from reports.model_outliers(reader, pair)
+    if "similarity" in needs and state.conf.cross_layer:
+        snap["similarity"] = yield from reports.layer_similarity(reader, pair)
     return snap
 
 
@@ -290,6 +293,8 @@ def _draw(name: str, fmt: str, snaps: Sequence[dict]) -> bytes:
         return figures.outliers(snap.get("outliers", {}), model, fmt=fmt)
     if name == "spectrum":
         return figures.spectrum(snap.get("eigenvalues"), layer, model, fmt=fmt)
+    if name == "cka":
+        return figures.cka(snap.get("similarity"), model, fmt=fmt)
     raise ValueError(f"no figure {name!r}")
 
 
@@ -343,7 +348,9 @@ def report_links(pair: PairKeys, layer: Optional[int], count_filter: reports.Cou
     base = f"{prefix}/v1/collections/{quote(pair.collection, safe='')}/models/{quote(pair.model, safe='')}"
     counts = urlencode({k: v for k, v in count_filter.to_dict().items() if v is not None})
     links = [("per-layer statistics (JSON)", f"{base}/layers?{counts}"),
-             ("outlier dimensions of every layer (JSON)", f"{base}/outliers")]
+             ("outlier dimensions of every layer (JSON)", f"{base}/outliers"),
+             ("layer-by-layer linear CKA (JSON; cross_layer collections)",
+              f"{base}/similarity?metric=linear_cka")]
     if layer is not None:
         lb = f"{base}/layers/{layer}"
         links += [
@@ -408,7 +415,8 @@ def render_report(cache: RenderCache, read: Callable[[Plan], Any], reader: Reade
     if conf is not None:
         summary["settings"] = {"key": conf.key, "unit": conf.unit,
                                "include_special": conf.include_special,
-                               "self_similarity": conf.self_similarity}
+                               "self_similarity": conf.self_similarity,
+                               "cross_layer": conf.cross_layer}
     summary["count filter"] = f"{f.min_count} <= n_t" + (f" <= {f.max_count}" if f.max_count else "")
     if shown is not None:
         summary["layer of the per-layer figures"] = shown

@@ -204,6 +204,10 @@ class LayerMoments:
         its trace is ``m2`` and ``comoment / n`` the population covariance.
     unit_sum : ndarray of shape (L, d), float64, ``U = sum x / ||x||``.
     unit_sq_sum : ndarray of shape (L, d), float64, ``sum (x_i / ||x||)^2`` per dimension.
+    cross : ndarray of shape (L d, L d), float64, or None: the co-moment of the
+        concatenation ``[x_1, ..., x_L]`` of an embedding's kept layers (its mean is
+        ``mean.reshape(-1)``); block (i, j) is ``sum (x_i - mean_i)(x_j - mean_j)^T``, the
+        diagonal blocks are ``comoment``. Kept only by ``cross_layer`` collections.
     """
 
     n: int
@@ -211,6 +215,7 @@ class LayerMoments:
     comoment: np.ndarray
     unit_sum: np.ndarray
     unit_sq_sum: np.ndarray
+    cross: Optional[np.ndarray] = None
 
     @classmethod
     def empty(cls, num_layers: int, dim: int) -> "LayerMoments":
@@ -239,6 +244,9 @@ class LayerMoments:
                                          other.n, other.mean, other.comoment),
             unit_sum=self.unit_sum + other.unit_sum,
             unit_sq_sum=self.unit_sq_sum + other.unit_sq_sum,
+            cross=None if self.cross is None or other.cross is None else chan_merge_comoment(
+                self.n, self.mean.reshape(-1), self.cross, other.n, other.mean.reshape(-1),
+                other.cross),
         )
 
 

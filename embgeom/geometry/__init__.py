@@ -37,7 +37,7 @@ from embgeom.geometry.local import (lle_transfer, lle_transfer_rows, lle_weights
                                     reconstruction_error)
 from embgeom.geometry.neighbors import nearest_neighbors
 from embgeom.geometry.similarity import (MAX_COSINE_ROWS, cknna, cosine_matrix, global_similarity,
-                                         linear_cka, mutual_knn, pearson_cosine,
+                                         layer_cka, linear_cka, mutual_knn, pearson_cosine,
                                          procrustes_residual, unbiased_cka)
 from embgeom.geometry.steering import LinearMap, fit_linear_map, random_map_like, transfer_vector
 
@@ -51,6 +51,7 @@ __all__ = [
     "fit_linear_map",
     "global_similarity",
     "intrinsic_dimension",
+    "layer_cka",
     "linear_cka",
     "lle_transfer",
     "lle_transfer_rows",

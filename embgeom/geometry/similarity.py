@@ -8,7 +8,8 @@
     P      = min_{R orthogonal} ||A_n R - B_n||_F^2 = 2 - 2 ||A_n^T B_n||_*
     mkNN   = mean_i |N_A(i) & N_B(i)| / k                        (Huh et al. 2024)
     CKNNA  = CKA_u restricted to mutual neighbours                (Huh et al. 2024)
-    CKA_ll = the layer-by-layer matrix of a streamed cross-layer co-moment
+    CKA_ll = ||C_ij||_F^2 / (||C_ii||_F ||C_jj||_F)   layer by layer, from a streamed
+             cross-layer co-moment (exact over every occurrence)
 
 with ``X_c`` column-centred and ``X_n = X_c / ||X_c||_F``. Nothing here builds a k x k
 matrix except :func:`cosine_matrix` (refused beyond ``10,000`` rows).
@@ -493,3 +494,43 @@ def global_similarity(A, B, sample=None, seed=0, k=10) -> dict:
         "pairs": m * (m - 1) // 2,
         "k": k,
     }
+
+
+def layer_cka(comoment, num_layers) -> np.ndarray:
+    """Linear CKA of every pair of layers from the co-moment of the concatenated layers.
+
+    Parameters
+    ----------
+    comoment : array-like of shape (L d, L d), float64
+        ``C = sum_x (x - mean)(x - mean)^T`` over embeddings ``x = [x_1, ..., x_L]`` (an
+        occurrence's states at L layers, concatenated); block (i, j) of d x d is
+        ``C_ij = X_i,c^T X_j,c``, the centred cross-moment of layers i and j.
+    num_layers : int, L (it divides the side of C).
+
+    Returns
+    -------
+    ndarray of shape (L, L), float64, symmetric, diagonal 1::
+
+        CKA_ij = ||C_ij||_F^2 / (||C_ii||_F ||C_jj||_F)
+
+    Kornblith et al.'s linear CKA over every occurrence (the HSIC form divided by n^2 on
+    both sides: the counts cancel), which is also Escoufier's RV coefficient of the centred
+    layers. ``nan`` in the rows of a layer with no spread (``C_ii = 0``).
+
+    Notes
+    -----
+    C is divided by its largest entry first (CKA is scale invariant), so the squares
+    neither overflow nor underflow.
+    """
+    C = _matrix(comoment, "comoment")
+    L = _integer(num_layers, "num_layers", 1)
+    if C.shape[0] != C.shape[1] or C.shape[0] % L:
+        raise ValueError(f"comoment must be square with a side divisible by {L}, got {C.shape}")
+    scale = np.max(np.abs(C))
+    d = C.shape[0] // L
+    blocks = (C / scale if scale > 0 else C).reshape(L, d, L, d)
+    F = np.einsum("idje,idje->ij", blocks, blocks)
+    norms = np.sqrt(np.diag(F))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        out = F / np.outer(norms, norms)
+    return np.clip(out, 0.0, 1.0)

@@ -1,9 +1,10 @@
 """Layer-level state: the head (n, mean, m2, unit sums of every kept layer) and the
 co-moment matrices, as append-only segments folded into a base from time to time.
 
-Every checkpoint adds one *segment* per layer part (the head, and each co-moment chunk of
+Every checkpoint adds one *segment* per layer part (the head, each co-moment chunk of
 each kept layer: ``conf.chunks`` row blocks of the upper triangle, each within
-``chunk_bytes``), keyed by its checkpoint id, so writing it is idempotent and never
+``chunk_bytes``, and with ``cross_layer`` the chunks of the concatenated layers'
+co-moment, ``conf.cross_chunks``), keyed by its checkpoint id, so writing it is idempotent and never
 rewrites the accumulated state: its cost is the window's own moments. When a part holds
 more than ``max_segments`` segments, the worker that noticed folds them into the part's
 ``base`` (a Chan merge in numpy, under the part's lock) and records the folded ids, so a
@@ -29,16 +30,27 @@ from embgeom.store.conf import PairConf
 from embgeom.store.keys import PartKeys, PartTag
 from embgeom.store.scripts import FOLD, PUT_SEGMENT
 
-__all__ = ["LayerWriter", "layer_parts", "merge_head", "merge_chunks", "comoment_from_chunks"]
+__all__ = ["LayerWriter", "layer_parts", "chunk_span", "merge_head", "merge_chunks",
+           "comoment_from_chunks"]
 
 
 def layer_parts(parts: PartKeys, conf: PairConf) -> list[tuple[str, Optional[int], Optional[int], PartTag]]:
-    """Every layer part of a pair's generation: ``(kind, layer position, chunk, keys)``."""
+    """Every layer part of a pair's generation: ``(kind, layer position, chunk, keys)``;
+    kind "head", "chunk" (a layer's co-moment) or "cross" (the cross-layer co-moment)."""
     out = [("head", None, None, parts.head)]
     for li, layer in enumerate(conf.layers):
         for j in range(len(conf.chunks) - 1):
             out.append(("chunk", li, j, parts.chunk(layer, j)))
+    for j in range(len(conf.cross_chunks) - 1):
+        out.append(("cross", None, j, parts.cross(j)))
     return out
+
+
+def chunk_span(conf: PairConf, kind: str, j: int) -> tuple[int, int, int]:
+    """``(width, r0, r1)`` of co-moment chunk j: of a layer (width d) or of the
+    concatenated layers (width L d)."""
+    bounds, width = (conf.cross_chunks, conf.cross_dim) if kind == "cross" else (conf.chunks, conf.d)
+    return width, bounds[j], bounds[j + 1]
 
 
 def ordered_segments(fields: dict) -> list[bytes]:
@@ -103,6 +115,13 @@ class LayerWriter:
             for j in range(len(conf.chunks) - 1):
                 out.append(codec.chunk_segment(layers.n, layers.mean[li], layers.comoment[li],
                                                conf.chunks[j], conf.chunks[j + 1]))
+        if conf.cross_layer:
+            if layers.cross is None:
+                raise ValueError("a cross_layer pair's window carries no cross-layer co-moment")
+            flat = layers.mean.reshape(-1)
+            for j in range(len(conf.cross_chunks) - 1):
+                _, r0, r1 = chunk_span(conf, "cross", j)
+                out.append(codec.chunk_segment(layers.n, flat, layers.cross, r0, r1))
         return out
 
     def put(self, parts: PartKeys, conf: PairConf, cp: str, layers: LayerMoments,
@@ -144,8 +163,8 @@ class LayerWriter:
                         [np.full((conf.L, 1), float(merged["n"])), merged["mean"], merged["m2"][:, None],
                          merged["unit_sum"], merged["unit_sq_sum"]], axis=1).astype(codec.F64).tobytes()
                 else:
-                    r0, r1 = conf.chunks[j], conf.chunks[j + 1]
-                    n, mean, c = merge_chunks(raws, conf.d, r0, r1)
+                    width, r0, r1 = chunk_span(conf, kind, j)
+                    n, mean, c = merge_chunks(raws, width, r0, r1)
                     base = np.concatenate([[float(n)], mean, c]).astype(codec.F64).tobytes()
                 folded += FOLD(self.r, [keys.lock, keys.seg, keys.folded], [fence, base, *cps]) == 1
             finally:
