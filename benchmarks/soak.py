@@ -45,8 +45,9 @@ At the end the load stops, every job is waited for, and the store is checked:
   against the float64 one-text-at-a-time reference (``tests/reference.py``) within the
   tolerances of ``tests/test_e2e_minilm.py``.
 
-Acceptance, one PASS/FAIL line each: RSS flat over the last two thirds of the load
-(:func:`rss_growth`: growth <= 5% + 50 MB), no checkpoint sealed longer than two leases
+Acceptance, one PASS/FAIL line each: RSS flat over the last two thirds of the load, from
+when the restarted processes hold their models again (:func:`rss_growth`: growth <= 5% +
+50 MB; a worker's samples compared per set of models it held), no checkpoint sealed longer than two leases
 with the same owner (adoption by another worker is progress), no 5xx but 503 while Redis
 was down, every job ended, no process died unless killed here, every count exact, values
 within tolerance. The exit status is 1 when a line fails.
@@ -182,16 +183,29 @@ class Child:
         self.proc: Optional[subprocess.Popen] = None
         self.started_at = 0.0
         self.killed_at: list[float] = []
+        # The fault thread kills and restarts, the sampler restarts what died on its own:
+        # without one lock the sampler saw a killed process as died on its own, mid-restart,
+        # and started a second copy that nothing tracked.
+        self.lock = threading.RLock()
 
     def start(self) -> "Child":
         nice = self.nice
-        self.started_at = time.time()
-        with open(self.log, "ab") as out:
+        with self.lock, open(self.log, "ab") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "embgeom.cli", "--log-level", "warning", *self.args],
                 cwd=REPO, env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                 preexec_fn=(lambda: os.nice(nice)) if nice else None)
+            self.started_at = time.time()
         return self
+
+    def restart_if_died(self) -> Optional[int]:
+        """Start it again if it exited without this harness killing it; its exit status."""
+        with self.lock:
+            if not self.died():
+                return None
+            code = self.proc.returncode
+            self.start()
+            return code
 
     @property
     def pid(self) -> Optional[int]:
@@ -207,19 +221,29 @@ class Child:
 
     def kill(self) -> None:
         """SIGKILL the process group: what an out-of-memory kill looks like."""
-        if self.alive():
-            self.killed_at.append(time.time())
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=30)
+        with self.lock:
+            if self.alive():
+                self.killed_at.append(time.time())
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=30)
+
+    def restart(self, pause: float = 0.0) -> None:
+        """SIGKILL, ``pause`` seconds down, start again: one step, so the sampler never sees it
+        half done."""
+        with self.lock:
+            self.kill()
+            time.sleep(pause)
+            self.start()
 
     def stop(self, timeout: float = 30) -> None:
-        if self.alive():
-            self.killed_at.append(time.time())
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        with self.lock:
+            if self.alive():
+                self.killed_at.append(time.time())
+                self.proc.send_signal(signal.SIGTERM)
+                try:
+                    self.proc.wait(timeout=timeout)
+                except subprocess.TimeoutExpired:
+                    self.kill()
 
 
 def rss_mb(pid: Optional[int]) -> Optional[float]:
@@ -658,17 +682,20 @@ class Soak:
         last_memory = 0.0
         while not self.stop_all.is_set():
             t = self.log.t()
+            loaded = self.loaded_models(client)
             for child in [self.api, *self.workers]:
-                mb = rss_mb(child.pid) if child.alive() else None
+                with child.lock:
+                    pid = child.pid if child.alive() else None
+                mb = rss_mb(pid)
                 if mb is not None:
                     with self.log.lock:
-                        self.log.rss.append((t, child.role, child.pid, round(mb, 1)))
-                elif child.died():
+                        self.log.rss.append((t, child.role, pid, round(mb, 1), loaded.get(child.role)))
+                    continue
+                code = child.restart_if_died()
+                if code is not None:
                     # Died on its own (the kernel's OOM killer, a crash): keep the soak going.
-                    self.log.unexpected_exits.append({"t": t, "role": child.role,
-                                                      "returncode": child.proc.returncode})
-                    self.log.note(f"{child.role} exited with {child.proc.returncode}: restarted")
-                    child.start()
+                    self.log.unexpected_exits.append({"t": t, "role": child.role, "returncode": code})
+                    self.log.note(f"{child.role} exited with {code}: restarted")
             try:
                 if client is None:
                     client = redis_client(self.redis.url, socket_timeout=5)
@@ -702,6 +729,20 @@ class Soak:
         if client is not None:
             client.close()
 
+    def loaded_models(self, client) -> dict[str, tuple[str, ...]]:
+        """role -> the models each worker's last heartbeat says it holds ({} without Redis)."""
+        from embgeom.worker import live_workers
+
+        if client is None:
+            return {}
+        try:
+            beats = live_workers(client, 3 * HEARTBEAT_S + 2)
+        except Exception:
+            return {}
+        by_id = {w["id"]: tuple(sorted(w.get("loaded") or [])) for w in beats}
+        return {c.role: by_id[c.args[c.args.index("--worker-id") + 1]] for c in self.workers
+                if c.args[c.args.index("--worker-id") + 1] in by_id}
+
     def track_checkpoint(self, name: str, sealed_ms: float, owner, now_ms: float) -> None:
         owner = owner.decode() if isinstance(owner, bytes) else owner
         with self.log.lock:
@@ -726,10 +767,7 @@ class Soak:
                 return
             t0 = time.time()
             if what.startswith("worker"):
-                w = self.workers[int(what[-1])]
-                w.kill()
-                time.sleep(2)
-                w.start()
+                self.workers[int(what[-1])].restart(pause=2)
             elif what == "redis":
                 self.redis.kill()
                 time.sleep(3)
@@ -737,8 +775,7 @@ class Soak:
                 with self.log.lock:
                     self.log.outages.append((t0, time.time() + REDIS_GRACE_S))
             elif what == "serve":
-                self.api.kill()
-                self.api.start()
+                self.api.restart()
                 self.wait_api()
             with self.log.lock:
                 self.log.faults.append({"t": round(t0 - self.log.start, 1), "what": f"SIGKILL {what}",
@@ -746,6 +783,7 @@ class Soak:
             self.log.note(f"SIGKILL {what}: back after {time.time() - t0:.1f} s")
         # Restarted workers load their models again before the RSS window starts.
         self.warm_up(timeout=120, after=time.time())
+        self.warm_after_faults = time.time()
 
     # ------------------------------------------------------------------- run
 
@@ -933,10 +971,13 @@ class Soak:
 
     def summarize(self, results: dict) -> dict:
         log = self.log
-        window = (self.load_start + (self.load_end - self.load_start) / 3, self.load_end)
+        # The last two thirds, from when the restarted processes hold their models again
+        # (a restart's warm-up is not growth); later on a run too short for its faults.
+        third = self.load_start + (self.load_end - self.load_start) / 3
+        window = (max(third, getattr(self, "warm_after_faults", third)), self.load_end)
         rss = {}
         for child in [self.api, *self.workers]:
-            rss[child.role] = rss_growth([(t + log.start, mb) for t, role, pid, mb in log.rss
+            rss[child.role] = rss_growth([(t + log.start, mb, loaded) for t, role, pid, mb, loaded in log.rss
                                           if role == child.role and pid == child.pid], *window)
         allowed = [e for e in log.errors_5xx if e["status"] == 503
                    and any(a <= e["at"] <= b for a, b in log.outages)]
@@ -959,7 +1000,7 @@ class Soak:
                                                                or range(self.model_layers[m]))
                                                for c, m in self.pairs()})
         acceptance = [
-            ("RSS flat over the last two thirds (growth <= 5% + 50 MB)",
+            ("RSS flat over the last two thirds (growth <= 5% + 50 MB; workers per set of loaded models)",
              all(r["ok"] for r in rss.values()),
              "; ".join(f"{k} {r['growth_mb']:+.0f} MB (limit {r['limit_mb']:.0f})" for k, r in rss.items())),
             (f"no checkpoint sealed longer than two leases ({limit:g} s) without progress",
@@ -988,7 +1029,7 @@ class Soak:
                                                     if j.status == "done"),
             "failed_jobs": failed[:50], "unfinished_jobs": unfinished, "deletes": self.deletes,
             "faults": log.faults, "unexpected_exits": log.unexpected_exits,
-            "rss": rss, "rss_series": log.rss, "redis_memory_series": log.redis_mem,
+            "rss": rss, "rss_window_s": [round(w - log.start, 1) for w in window], "rss_series": log.rss, "redis_memory_series": log.redis_mem,
             "redis_families_series": log.redis_families, "redis_families_end": results["redis_families_end"],
             "redis_bytes_per_type_layer": per_type_layer,
             "checkpoints": {"longest_sealed_s": sealed, "longest_without_progress_s": stalled,
@@ -1038,11 +1079,33 @@ def expected_count(tokenizer, texts: list[str], rules: dict, window: int) -> int
     return total
 
 
-def rss_growth(series: list[tuple[float, float]], start: float, end: float) -> dict:
+def rss_growth(series: list[tuple], start: float, end: float) -> dict:
     """Growth of one process's RSS over [start, end]: the largest sample of the last
     quarter minus the largest of the first half (largest: a model loaded for a job and let
     go again is the plateau, not growth; a half: such peaks recur within it); allowed
-    :data:`RSS_SLACK`, 5% of the first half's largest + 50 MB."""
+    :data:`RSS_SLACK`, 5% of the first half's largest + 50 MB.
+
+    ``series``: (t, MB) or (t, MB, loaded) samples, ``loaded`` the models the process held
+    then (a worker's LRU keeps two of five: holding two large ones is a GB above two small
+    ones, by design). With ``loaded``, like is compared with like: the rule above is applied
+    to the samples of each set of loaded models seen in both parts of the window, and every
+    such set must pass; a leak grows across the recurrences of a set. The comparison over
+    all samples is kept as ``overall`` (and is the check when no set recurs)."""
+    overall = _growth([(t, mb) for t, mb, *_ in series], start, end)
+    keyed = [x for x in series if len(x) > 2 and x[2] is not None]
+    by_loaded = {}
+    for loaded in sorted({x[2] for x in keyed}):
+        got = _growth([(t, mb) for t, mb, k in keyed if k == loaded], start, end)
+        if "note" not in got:
+            by_loaded["+".join(loaded) or "(none)"] = got
+    if not by_loaded:
+        return overall
+    worst = max(by_loaded.values(), key=lambda g: g["growth_mb"] - g["limit_mb"])
+    return {**worst, "ok": all(g["ok"] for g in by_loaded.values()),
+            "compared": "per set of loaded models", "by_loaded": by_loaded, "overall": overall}
+
+
+def _growth(series: list[tuple[float, float]], start: float, end: float) -> dict:
     inside = [(t, mb) for t, mb in series if start <= t <= end]
     half = [mb for t, mb in inside if t <= start + (end - start) / 2]
     last = [mb for t, mb in inside if t >= end - (end - start) / 4]
@@ -1111,11 +1174,15 @@ def table(res: dict) -> str:
              f"{res['cpus']} CPUs; jobs {res['jobs']}, texts done {res['texts_done']}, "
              f"DELETEs {len(res['deletes'])}",
              "faults: " + "; ".join(f"{f['what']} at {f['t']:.0f} s (back after {f['down_s']:.0f} s)"
-                                    for f in res["faults"]), "", "RSS (MB) over the last two thirds: "
-             "largest of its first half -> largest of its last quarter"]
+                                    for f in res["faults"]), "",
+             f"RSS (MB) over {res['rss_window_s'][0]:.0f}-{res['rss_window_s'][1]:.0f} s (the last two thirds, "
+             "from the end of the restarts' warm-up): largest of its first half -> largest of its last "
+             "quarter; workers per set of loaded models (the worst set shown; all: rss.by_loaded)"]
     for role, r in res["rss"].items():
+        sets = f"  ({len(r['by_loaded'])} sets; worst {max(r['by_loaded'], key=lambda k: r['by_loaded'][k]['growth_mb'] - r['by_loaded'][k]['limit_mb'])})" \
+            if r.get("by_loaded") else ""
         lines.append(f"  {role:<8} {r.get('first_mb', float('nan')):8.0f} -> {r.get('last_mb', float('nan')):8.0f}"
-                     f"  growth {r['growth_mb']:+7.0f}  limit {r['limit_mb']:6.0f}  max {r.get('max_mb', float('nan')):6.0f}")
+                     f"  growth {r['growth_mb']:+7.0f}  limit {r['limit_mb']:6.0f}  max {r.get('max_mb', float('nan')):6.0f}{sets}")
     mem = res["redis_memory_series"]
     if mem:
         lines.append(f"Redis used_memory {mem[0][1]:.0f} -> {mem[-1][1]:.0f} MB (RSS {mem[-1][2]:.0f} MB)")

@@ -1,8 +1,15 @@
-"""The ``embgeom`` command: ``serve``, ``worker``, ``ingest``, ``table`` and ``report``."""
+"""The ``embgeom`` command: ``serve``, ``worker``, ``ingest``, ``table`` and ``report``.
+
+``ingest``, ``table`` and ``report`` talk to a service through
+:class:`embgeom.client.EmbgeomClient`; ``ingest`` reads and cuts its file with
+:mod:`embgeom.inputs` (a second run of the same command counts nothing twice), ``table``
+prints with :mod:`embgeom.tables`.
+"""
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import logging
 import os
 import signal
@@ -81,22 +88,191 @@ def _worker(args) -> int:
     return 0
 
 
-def _ingest(args) -> int:
-    from embgeom.client import ingest_file
-
-    return ingest_file(args)
-
-
-def _table(args) -> int:
-    from embgeom.client import table_command
-
-    return table_command(args)
+def _quiet_http_logs() -> None:
+    """httpx logs every request at INFO; a command's own output says what happened."""
+    log = logging.getLogger("httpx")
+    if not log.isEnabledFor(logging.DEBUG):
+        log.setLevel(logging.WARNING)
 
 
-def _report(args) -> int:
-    from embgeom.client import report_command
+def _read_input(path: str) -> bytes:
+    if path == "-":
+        return sys.stdin.buffer.read()
+    return Path(path).read_bytes()
 
-    return report_command(args)
+
+def ingest_file(args) -> int:
+    """``embgeom ingest``: submit a file's texts in jobs, wait, summarise.
+
+    Returns 0 when every job is done (or, with ``--no-wait``, submitted), 1 when a job
+    failed or the service refused a request, 2 when the file cannot be read, 130 on
+    Ctrl-C. Submitted jobs keep running on the service either way; the same command
+    resumes without counting anything twice.
+    """
+    import httpx
+    from tqdm import tqdm
+
+    from embgeom.client import TERMINAL, ApiError, EmbgeomClient
+    from embgeom.inputs import InputError, chunk_texts, idempotency_key, input_format, read_input_texts
+
+    _quiet_http_logs()
+    fmt = input_format(args.file, getattr(args, "input_format", "auto"))
+    field = getattr(args, "field", "text")
+    try:
+        data = _read_input(args.file)
+        texts = read_input_texts(data, fmt, field)
+    except OSError as exc:
+        print(f"embgeom ingest: cannot read {args.file}: {exc}", file=sys.stderr)
+        return 2
+    except UnicodeDecodeError as exc:
+        print(f"embgeom ingest: {args.file} is not UTF-8 ({exc})", file=sys.stderr)
+        return 2
+    except InputError as exc:
+        print(f"embgeom ingest: {args.file}: {exc}", file=sys.stderr)
+        return 2
+    if args.texts_per_job < 1:
+        print("embgeom ingest: --texts-per-job must be at least 1", file=sys.stderr)
+        return 2
+    if not texts:
+        print(f"embgeom ingest: no texts in {args.file}", file=sys.stderr)
+        return 0
+    chunks = chunk_texts(texts, args.texts_per_job)
+    file_sha256 = hashlib.sha256(data).hexdigest()
+
+    with EmbgeomClient(args.url, api_key=args.api_key) as client:
+        job_ids: list[str] = []
+        try:
+            for index, chunk in enumerate(chunks):
+                key = idempotency_key(args.collection, args.model, args.include_special,
+                                      file_sha256, index, chunk)
+                job_ids.append(client.submit(chunk, args.collection, args.model,
+                                             args.include_special, idempotency_key=key))
+        except (ApiError, httpx.HTTPError) as exc:
+            print(f"embgeom ingest: submitting job {len(job_ids) + 1} of {len(chunks)} failed: {exc}",
+                  file=sys.stderr)
+            if job_ids:
+                print(f"{len(job_ids)} jobs were submitted; the same command resumes without "
+                      "counting them twice", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            print(f"\ninterrupted after submitting {len(job_ids)} of {len(chunks)} jobs; "
+                  "the same command resumes without counting them twice", file=sys.stderr)
+            return 130
+        if args.no_wait:
+            for job_id in job_ids:
+                print(job_id)
+            print(f"submitted {len(job_ids)} jobs, {len(texts)} texts", file=sys.stderr)
+            return 0
+
+        sizes = [len(c) for c in chunks]
+        bar = tqdm(total=len(texts), unit="text", disable=args.quiet, file=sys.stderr,
+                   desc=f"{args.collection}/{args.model}")
+
+        def on_progress(statuses: list) -> None:
+            done = 0.0
+            for size, status in zip(sizes, statuses):
+                if status is not None:
+                    done += size if status["status"] in TERMINAL else size * status["progress"]
+            bar.update(int(round(done)) - bar.n)
+
+        try:
+            final = client.wait(job_ids, on_progress=on_progress)
+            stored = {c["name"]: c["models"] for c in client.collections()}
+        except KeyboardInterrupt:
+            print("\ninterrupted; the jobs keep running on the service, and the same command "
+                  "resumes waiting for them", file=sys.stderr)
+            return 130
+        except (ApiError, httpx.HTTPError) as exc:
+            print(f"embgeom ingest: waiting for the jobs failed: {exc}", file=sys.stderr)
+            return 1
+        finally:
+            bar.close()
+
+    failed = [s for s in final if s["status"] == "failed"]
+    tokens = sum(s["tokens"] for s in final if s["status"] == "done")
+    print(f"jobs: {len(final)}  texts: {len(texts)}  tokens: {tokens}  failed: {len(failed)}")
+    for status in failed:
+        print(f"failed job {status['job_id']}: {status['error']}", file=sys.stderr)
+    if len(failed) < len(final) and args.model not in stored.get(args.collection, []):
+        # The jobs are done but their counts are gone: the collection was deleted after
+        # they ran. The service keeps Idempotency-Keys across a DELETE, so this command
+        # got the old jobs back instead of counting the file again.
+        print(f"embgeom ingest: collection {args.collection!r} holds nothing for {args.model!r}: it was "
+              "deleted after these jobs ran, and the service returned the old jobs for this file "
+              "instead of counting it again; ingest into another --collection", file=sys.stderr)
+        return 1
+    return 1 if failed else 0
+
+
+def report_command(args) -> int:
+    """``embgeom report``: write the report page and every figure into ``--out``.
+
+    The page is ``report.html``; each figure is ``<name>.<format>``. The per-layer
+    figures show ``--layer``, by default the layer the service's page shows (the middle
+    kept one). Returns 0, 1 when the service refuses, 2 when ``--out`` cannot be written.
+    """
+    import httpx
+
+    from embgeom.client import ApiError, EmbgeomClient
+    from embgeom.figures import FIGURES
+    from embgeom.renders import LAYER_FIGURES
+
+    _quiet_http_logs()
+    out = Path(args.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        print(f"embgeom report: cannot create {out}: {exc}", file=sys.stderr)
+        return 2
+    written = []
+    try:
+        with EmbgeomClient(args.url, api_key=args.api_key, timeout=300) as client:
+            page, layer = client.report(args.collection, args.model, args.min_count, args.max_count,
+                                        args.layer, args.format)
+            path = out / "report.html"
+            path.write_text(page, encoding="utf-8")
+            written.append(path)
+            for name in FIGURES:
+                if name in LAYER_FIGURES and layer is None:
+                    continue  # nothing ingested yet: no layer to show
+                content = client.figure(args.collection, args.model, name, args.format,
+                                        layer if name in LAYER_FIGURES else None,
+                                        args.min_count, args.max_count)
+                path = out / f"{name}.{args.format}"
+                path.write_bytes(content)
+                written.append(path)
+    except (ApiError, httpx.HTTPError) as exc:
+        print(f"embgeom report: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"embgeom report: cannot write into {out}: {exc}", file=sys.stderr)
+        return 2
+    for path in written:
+        print(path)
+    return 0
+
+
+def table_command(args) -> int:
+    """``embgeom table``: print /layers of a collection and model as a table."""
+    import httpx
+
+    from embgeom.client import ApiError, EmbgeomClient
+    from embgeom.tables import ISOTROPY_COLUMNS, format_table, isotropy_rows
+
+    _quiet_http_logs()
+    try:
+        with EmbgeomClient(args.url, api_key=args.api_key) as client:
+            if getattr(args, "kind", "layers") == "isotropy":
+                rows = isotropy_rows(client, args.collection, args.model, args.threshold,
+                                     args.min_count)
+                print(format_table(rows, args.format, ISOTROPY_COLUMNS))
+                return 0
+            body = client.layers(args.collection, args.model, args.min_count, args.max_count)
+    except (ApiError, httpx.HTTPError) as exc:
+        print(f"embgeom table: {exc}", file=sys.stderr)
+        return 1
+    print(format_table(body["layers"], args.format))
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -146,7 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
     ingest.add_argument("--api-key", default=None, help="default EMBGEOM_API_KEY")
     ingest.add_argument("--no-wait", action="store_true", help="submit and return")
     ingest.add_argument("--quiet", action="store_true", help="no progress bar")
-    ingest.set_defaults(func=_ingest)
+    ingest.set_defaults(func=ingest_file)
 
     table = sub.add_parser("table", help="print the per-layer table of a collection and model")
     table.add_argument("--url", default=None,
@@ -161,7 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "mean cosine, spectrum, I(W), outlier and rogue dimensions")
     table.add_argument("--threshold", type=float, default=5.0, help="outlier threshold (isotropy)")
     table.add_argument("--api-key", default=None, help="default EMBGEOM_API_KEY")
-    table.set_defaults(func=_table)
+    table.set_defaults(func=table_command)
 
     report = sub.add_parser("report", help="write the report page and every figure of a collection "
                                            "and model into a folder")
@@ -176,7 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--min-count", type=int, default=1, help="keep token types with n >= this")
     report.add_argument("--max-count", type=int, default=None, help="keep token types with n <= this")
     report.add_argument("--api-key", default=None, help="default EMBGEOM_API_KEY")
-    report.set_defaults(func=_report)
+    report.set_defaults(func=report_command)
     return parser
 
 

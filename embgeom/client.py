@@ -1,65 +1,64 @@
-"""A small HTTP client for the embgeom service, and the ``ingest``, ``table`` and
-``report`` commands.
+"""The v1 API from Python: :class:`EmbgeomClient` (blocking) and :class:`AsyncEmbgeomClient`.
 
-:class:`EmbgeomClient` wraps the v1 API of DESIGN.md section 2: every error body
-``{"type", "message", "detail"}`` is raised as :class:`ApiError`, and a 429 (the queue
-is full) is retried after the server's ``Retry-After``, or after an exponential backoff
-when it gives none.
+Every endpoint is written once, in :class:`Calls`, as the description of the request
+(a :class:`Call`: method, path, query, body, and how to read the answer), or as a plan
+that yields several (``tokens`` follows the cursor, ``wait`` polls). A client runs those
+descriptions: the blocking one over ``httpx.Client``, the async one over
+``httpx.AsyncClient``; ``Calls()`` itself only builds them. So a notebook reads::
 
-``embgeom ingest FILE`` reads a text file (one text per line), or a JSONL, CSV or
-Parquet file (the ``--field`` of each record), and cuts its texts into jobs of at most
-``--texts-per-job`` texts and :data:`MAX_JOB_BYTES` of UTF-8, and submits each under
-an ``Idempotency-Key`` derived from what it sends (collection, model, include_special,
-the file's SHA-256, the chunk's index and content): running the same command again
-after an interruption returns the jobs already submitted instead of counting their
-texts twice.
+    from embgeom.client import EmbgeomClient
+
+    client = EmbgeomClient("http://127.0.0.1:8080")
+    client.layers("bbc", "minilm", as_frame=True)          # a pandas DataFrame
+    client.figure("bbc", "minilm", "layer_summary")        # shows itself inline
+
+    async with AsyncEmbgeomClient(url) as client:
+        rows = await client.layers("bbc", "minilm")
+
+Answers are the service's JSON, typed by :mod:`embgeom.api_types`; the endpoints that
+answer a table take ``as_frame=True`` for a DataFrame (the rest of the answer, ``as_of``
+and the filters, in ``DataFrame.attrs``); figures are :class:`Figure` (PNG or SVG bytes
+with ``_repr_png_``/``_repr_svg_``). Every error body ``{"type", "message", "detail"}``
+is raised as :class:`ApiError`, and a 429 (the queue is full) is retried after the
+server's ``Retry-After``, or after an exponential backoff when it gives none.
+
+A query or body parameter left ``None`` is not sent: the service's default applies.
 """
 
 from __future__ import annotations
 
-import csv
+import asyncio
 import email.utils
-import hashlib
+import html
 import io
-import json
-import logging
 import random
-import sys
 import time
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
-from pathlib import Path
-from typing import Callable, Iterator, Optional, Sequence
+from typing import (TYPE_CHECKING, Any, Awaitable, BinaryIO, Callable, Generator, Mapping, NamedTuple,
+                    Optional, Sequence, Union)
 
 import httpx
 
-__all__ = [
-    "ApiError", "EmbgeomClient", "MAX_JOB_BYTES", "TABLE_COLUMNS", "ISOTROPY_COLUMNS", "isotropy_rows",
-    "read_texts", "chunk_texts", "idempotency_key", "ingest_file", "format_table", "table_command",
-    "INPUT_FORMATS", "InputError", "input_format", "read_input_texts", "report_command",
-]
+from embgeom import api_types as T
+from embgeom.tables import to_frame
 
-# The smallest per-job byte limit a service may be configured with (Settings.max_job_bytes
-# has ge=1_000_000), so a chunk of at most this many bytes is accepted by every service.
-MAX_JOB_BYTES = 1_000_000
+if TYPE_CHECKING:
+    import pandas as pd
+
+__all__ = ["ApiError", "AsyncEmbgeomClient", "Call", "Calls", "EmbgeomClient", "Figure", "Report",
+           "Space", "TERMINAL"]
 
 TERMINAL = ("done", "failed")
 
-# Column of the printed table -> field of a /layers row.
-TABLE_COLUMNS = {
-    "layer": "layer", "n": "n", "types": "num_types", "Q": "Q", "M": "M", "V": "V",
-    "V_W": "V_W", "V_B": "V_B", "cv_Q": "cv_Q", "slope": "slope", "r2": "r2",
-}
-
-# Column -> field of the rows built by :func:`isotropy_rows`.
-ISOTROPY_COLUMNS = {
-    "layer": "layer", "n": "n", "IsoScore": "isoscore", "mean cos": "mean_cosine",
-    "eff. rank": "effective_rank", "PR": "participation_ratio", "top eig": "top_eigenvalue_ratio",
-    "log10 I(W)": "partition_isotropy_log10", "outlier dims (ratio)": "outliers", "top rogue dims (CC share)": "rogue",
-}
+# A space of the comparison endpoints: "collection:model:layer", (collection, model, layer)
+# or {"collection", "model", "layer"}; layer an integer or "input".
+Space = Union[str, Sequence, Mapping]
 
 
 class ApiError(Exception):
-    """An error answered by the service: HTTP status, stable ``type``, human ``message``."""
+    """An error answered by the service: HTTP ``status``, stable ``type``, human ``message``
+    and the ``detail`` object of its body (DESIGN.md section 2)."""
 
     def __init__(self, status: int, type: str, message: str, detail: Optional[dict] = None):
         super().__init__(f"{status} {type}: {message}")
@@ -99,8 +98,457 @@ def _retry_after(response: httpx.Response) -> Optional[float]:
     return max(0.0, (when - datetime.now(timezone.utc)).total_seconds())
 
 
-class EmbgeomClient:
-    """The v1 API over HTTP.
+# ------------------------------------------------------------------- answers
+class Figure(bytes):
+    """A figure's PNG or SVG bytes (``format``), shown inline by Jupyter.
+
+    It is ``bytes``: ``Path(...).write_bytes(figure)`` saves it as the service sent it.
+    """
+
+    format: str
+
+    def __new__(cls, data: bytes, format: str) -> "Figure":
+        figure = super().__new__(cls, data)
+        figure.format = format
+        return figure
+
+    def _repr_png_(self) -> Optional[bytes]:
+        return bytes(self) if self.format == "png" else None
+
+    def _repr_svg_(self) -> Optional[str]:
+        return self.decode("utf-8") if self.format == "svg" else None
+
+    def __repr__(self) -> str:
+        return f"<Figure {self.format}, {len(self)} bytes>"
+
+    def __reduce__(self):
+        return Figure, (bytes(self), self.format)
+
+    def save(self, path) -> None:
+        with open(path, "wb") as out:
+            out.write(self)
+
+
+class Report(NamedTuple):
+    """The report page (self-contained HTML) and the layer its per-layer figures show."""
+
+    html: str
+    layer: Optional[int]
+
+    def _repr_html_(self) -> str:
+        # In a frame of its own: the page's styles stay out of the notebook's.
+        return (f'<iframe srcdoc="{html.escape(self.html, quote=True)}" '
+                'style="width: 100%; height: 720px; border: 0"></iframe>')
+
+
+@dataclass(frozen=True)
+class Call:
+    """One request and how to read its answer.
+
+    ``parse`` turns a successful response into the method's result; with ``sink`` the
+    body is streamed into that binary file instead and the result is the bytes written.
+    """
+
+    method: str
+    path: str
+    params: Optional[Mapping[str, Any]] = None
+    json: Any = None
+    headers: Optional[Mapping[str, str]] = None
+    parse: Callable[[httpx.Response], Any] = httpx.Response.json
+    sink: Optional[BinaryIO] = None
+
+    def finish(self, response: httpx.Response) -> Any:
+        """The result of a read response: :class:`ApiError` for an error answer."""
+        if response.is_error:
+            raise ApiError.from_response(response)
+        return self.parse(response)
+
+
+@dataclass(frozen=True)
+class Sleep:
+    """A step of a plan: wait this many seconds (``time.sleep`` or ``asyncio.sleep``)."""
+
+    seconds: float
+
+
+Plan = Generator[Union[Call, Sleep], Any, Any]
+
+
+def _query(**params) -> dict:
+    """The query parameters that were given (None: the service's default)."""
+    return {k: v for k, v in params.items() if v is not None}
+
+
+_body = _query
+
+
+def _answer(as_frame: bool, key: Optional[str] = None,
+            rows: Optional[Callable[[Any], list]] = None) -> Callable[[httpx.Response], Any]:
+    """Read JSON; with ``as_frame``, the table at ``key`` (or ``rows(body)``; the whole
+    body when it is a list) as a DataFrame, the answer's other fields in its attrs."""
+    def parse(response: httpx.Response):
+        body = response.json()
+        if not as_frame:
+            return body
+        if key is None:
+            return to_frame(body)
+        return to_frame(rows(body) if rows else body[key], {k: v for k, v in body.items() if k != key})
+    return parse
+
+
+def _figure(fmt: str) -> Callable[[httpx.Response], Figure]:
+    return lambda response: Figure(response.content, fmt)
+
+
+def _report(response: httpx.Response) -> Report:
+    shown = response.headers.get("x-embgeom-layer")
+    return Report(response.text, int(shown) if shown is not None else None)
+
+
+def _export(fmt: str, as_frame: bool) -> Callable[[httpx.Response], Any]:
+    def parse(response: httpx.Response):
+        if not as_frame:
+            return response.content
+        import pandas as pd
+
+        data = io.BytesIO(response.content)
+        return pd.read_parquet(data) if fmt == "parquet" else pd.read_csv(data, float_precision="round_trip")
+    return parse
+
+
+def _space(space: Space) -> dict:
+    """``{"collection", "model", "layer"}`` of a space given in any of :data:`Space`'s forms."""
+    if isinstance(space, Mapping):
+        return dict(space)
+    if isinstance(space, str):
+        parts = space.split(":")
+        if len(parts) != 3:
+            raise ValueError(f"a space is collection:model:layer, not {space!r}")
+    else:
+        parts = list(space)
+    collection, model, layer = parts
+    if isinstance(layer, str) and layer.isdigit():
+        layer = int(layer)
+    return {"collection": collection, "model": model, "layer": layer}
+
+
+def _space_ref(space: Space) -> str:
+    s = _space(space)
+    return f"{s['collection']}:{s['model']}:{s['layer']}"
+
+
+def _pair(collection: str, model: str) -> str:
+    return f"/v1/collections/{collection}/models/{model}"
+
+
+# ------------------------------------------------------------------ endpoints
+class Calls:
+    """Every endpoint of the v1 API, once. ``Calls()`` returns each call's description;
+    :class:`EmbgeomClient` returns its result, :class:`AsyncEmbgeomClient` an awaitable."""
+
+    def _run(self, step: Union[Call, Plan]) -> Any:
+        return step
+
+    # ------------------------------------------------------------- health
+    def healthz(self) -> T.Health:
+        return self._run(Call("GET", "/healthz"))
+
+    def readyz(self) -> T.Readiness:
+        """Whether the service can take jobs (503, as :class:`ApiError`, when it cannot)."""
+        return self._run(Call("GET", "/readyz"))
+
+    def metrics(self) -> str:
+        """The Prometheus exposition text."""
+        return self._run(Call("GET", "/metrics", parse=lambda r: r.text))
+
+    # --------------------------------------------------------------- jobs
+    def submit(self, texts: Sequence[str], collection: str = "default", model: str = "minilm",
+               include_special: Optional[bool] = None, idempotency_key: Optional[str] = None) -> str:
+        """Queue ``texts``; returns the job id (the first job's, for a repeated key).
+
+        ``include_special`` None leaves it to the collection's settings (a job that says
+        otherwise than an existing collection is refused with 409)."""
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
+        body = _body(collection=collection, model=model, texts=list(texts), include_special=include_special)
+        return self._run(Call("POST", "/v1/jobs", json=body, headers=headers,
+                              parse=lambda r: r.json()["job_id"]))
+
+    def job(self, job_id: str) -> T.JobStatus:
+        return self._run(Call("GET", f"/v1/jobs/{job_id}"))
+
+    def jobs(self, job_ids: Sequence[str], as_frame: bool = False) -> list[T.JobStatus]:
+        """Status of many jobs in one request (``GET /v1/jobs?ids=``), in order."""
+        return self._run(Call("GET", "/v1/jobs", params={"ids": ",".join(job_ids)}, parse=_answer(as_frame)))
+
+    def wait(self, job_ids: Sequence[str], on_progress: Optional[Callable[[list], None]] = None,
+             timeout: Optional[float] = None, poll_interval: float = 0.5,
+             window: int = 64) -> list[T.JobStatus]:
+        """Poll until every job is done or failed; returns their final statuses, in order.
+
+        ``on_progress(statuses)`` is called after each round with the latest status of
+        every job (``None`` for one not polled yet). A round asks for the ``window`` oldest
+        unfinished jobs in one request: workers take jobs in order, so later ones rarely
+        moved. Raises ``TimeoutError`` after ``timeout`` seconds.
+        """
+        return self._run(_wait(list(job_ids), on_progress, timeout, poll_interval, window))
+
+    # -------------------------------------------------- models, collections
+    def models(self, as_frame: bool = False) -> list[T.ModelOut]:
+        return self._run(Call("GET", "/v1/models", parse=_answer(as_frame)))
+
+    def collections(self, as_frame: bool = False) -> list[T.CollectionOut]:
+        return self._run(Call("GET", "/v1/collections", parse=_answer(as_frame)))
+
+    def collection(self, collection: str) -> T.CollectionInfo:
+        """A collection's settings and models."""
+        return self._run(Call("GET", f"/v1/collections/{collection}"))
+
+    def create_collection(self, collection: str, preset: Optional[str] = None, key: Optional[str] = None,
+                          unit: Optional[str] = None, include_special: Optional[bool] = None,
+                          layers: Optional[Sequence[int]] = None,
+                          self_similarity: Optional[bool] = None) -> T.CollectionInfo:
+        """Create a collection with fixed settings (``preset="paper"``, or ``key`` id|string,
+        ``unit`` token|word, ...). The same settings again answer the collection
+        (``created`` false); other settings for an existing one are a 409 :class:`ApiError`."""
+        body = _body(preset=preset, key=key, unit=unit, include_special=include_special,
+                     layers=list(layers) if layers is not None else None, self_similarity=self_similarity)
+        return self._run(Call("PUT", f"/v1/collections/{collection}", json=body))
+
+    def delete_collection(self, collection: str) -> T.Deleted:
+        return self._run(Call("DELETE", f"/v1/collections/{collection}"))
+
+    # --------------------------------------------------------------- layers
+    def layers(self, collection: str, model: str, min_count: int = 1, max_count: Optional[int] = None,
+               as_frame: bool = False) -> Union[T.LayersOut, "pd.DataFrame"]:
+        """The per-layer decomposition and summary, ``{"layers": [row per layer], "as_of", ...}``;
+        with ``as_frame`` the rows as a DataFrame."""
+        return self._run(Call("GET", f"{_pair(collection, model)}/layers",
+                              params=_query(min_count=min_count, max_count=max_count),
+                              parse=_answer(as_frame, "layers")))
+
+    def decomposition(self, collection: str, model: str, layer: int, min_count: int = 1,
+                      max_count: Optional[int] = None) -> T.Decomposition:
+        return self._run(Call("GET", f"{_pair(collection, model)}/layers/{layer}/decomposition",
+                              params=_query(min_count=min_count, max_count=max_count)))
+
+    def tokens(self, collection: str, model: str, layer: int, order_by: str = "n", desc: bool = True,
+               min_count: int = 1, max_count: Optional[int] = None, token: Optional[str] = None,
+               page_size: int = 1000, as_frame: bool = False) -> Union[list[T.TokenStats], "pd.DataFrame"]:
+        """Every token type's stats at ``layer`` (following ``next_cursor`` page by page)."""
+        first = Call("GET", f"{_pair(collection, model)}/layers/{layer}/tokens",
+                     params=_query(order_by=order_by, desc=desc, limit=page_size, min_count=min_count,
+                                   max_count=max_count, token=token))
+        return self._run(_pages(first, "tokens", as_frame))
+
+    def token(self, collection: str, model: str, layer: int, token_id: int) -> T.TokenDetail:
+        return self._run(Call("GET", f"{_pair(collection, model)}/layers/{layer}/tokens/{token_id}"))
+
+    def neighbors(self, collection: str, model: str, layer: int, token_id: int, k: Optional[int] = None,
+                  min_count: Optional[int] = None, as_frame: bool = False) -> Union[T.Neighbors, "pd.DataFrame"]:
+        """The ``k`` nearest token types of one (cosine of mean vectors)."""
+        return self._run(Call("GET", f"{_pair(collection, model)}/layers/{layer}/tokens/{token_id}/neighbors",
+                              params=_query(k=k, min_count=min_count), parse=_answer(as_frame, "neighbors")))
+
+    # ----------------------------------------------------------- isotropy
+    def isotropy(self, collection: str, model: str, layer: int, transform: Optional[str] = None,
+                 spectrum: Optional[bool] = None, partition: Optional[bool] = None,
+                 min_count: Optional[int] = None) -> T.Isotropy:
+        """IsoScore, mean cosine, spectrum summaries and I(W) of a layer (``transform``
+        none | standardize | abtt:D)."""
+        return self._run(Call("GET", f"{_pair(collection, model)}/layers/{layer}/isotropy",
+                              params=_query(transform=transform, spectrum=spectrum, partition=partition,
+                                            min_count=min_count)))
+
+    def isotropy_sample(self, collection: str, model: str, layer: int, texts: Sequence[str],
+                        reference: Optional[str] = None, zeta: Optional[float] = None,
+                        include_special: Optional[bool] = None) -> T.SampleIsotropy:
+        """IsoScore* of the given texts' embeddings at ``layer``."""
+        body = _body(texts=list(texts), reference=reference, zeta=zeta, include_special=include_special)
+        return self._run(Call("POST", f"{_pair(collection, model)}/layers/{layer}/isotropy/sample", json=body))
+
+    def outliers(self, collection: str, model: str, layer: int, threshold: Optional[float] = None,
+                 transform: Optional[str] = None, top: Optional[int] = None,
+                 as_frame: bool = False) -> Union[T.Outliers, "pd.DataFrame"]:
+        """Outlier dimensions of a layer (``as_frame``: one row per dimension) and its rogue ones."""
+        return self._run(Call("GET", f"{_pair(collection, model)}/layers/{layer}/outliers",
+                              params=_query(threshold=threshold, transform=transform, top=top),
+                              parse=_answer(as_frame, "dimensions")))
+
+    def model_outliers(self, collection: str, model: str, threshold: Optional[float] = None,
+                       transform: Optional[str] = None,
+                       as_frame: bool = False) -> Union[T.ModelOutliers, "pd.DataFrame"]:
+        """Outlier dimensions of every layer (``as_frame``: a row per layer and dimension)."""
+        rows = lambda body: [{"layer": l["layer"], "n": l["n"], **d}  # noqa: E731
+                             for l in body["layers"] for d in l["dimensions"]]
+        return self._run(Call("GET", f"{_pair(collection, model)}/outliers",
+                              params=_query(threshold=threshold, transform=transform),
+                              parse=_answer(as_frame, "layers", rows)))
+
+    def intrinsic_dimension(self, collection: str, model: str, layer: int, k: Optional[int] = None,
+                            method: Optional[str] = None, threshold: Optional[float] = None,
+                            min_count: Optional[int] = None, limit: Optional[int] = None,
+                            neighbors: Optional[int] = None,
+                            as_frame: bool = False) -> Union[T.IntrinsicDimension, "pd.DataFrame"]:
+        """Local intrinsic dimension (``method`` local_pca | twonn | mle); ``as_frame``: the
+        highest and lowest tokens, a row each, ``end`` saying which."""
+        rows = lambda body: [{"end": end, **t} for end in ("highest", "lowest")  # noqa: E731
+                             for t in body[end]]
+        return self._run(Call("GET", f"{_pair(collection, model)}/layers/{layer}/intrinsic-dimension",
+                              params=_query(k=k, method=method, threshold=threshold, min_count=min_count,
+                                            limit=limit, neighbors=neighbors),
+                              parse=_answer(as_frame, "tokens", rows)))
+
+    def outlier_probe(self, model: str, layer: int, texts: Sequence[str], labels: Sequence,
+                      pooling: Optional[str] = None, top_k: Optional[int] = None,
+                      test_fraction: Optional[float] = None, seed: Optional[int] = None,
+                      include_special: Optional[bool] = None,
+                      as_frame: bool = False) -> Union[T.ProbeResult, "pd.DataFrame"]:
+        """How well single dimensions separate labelled texts (``as_frame``: a row per dimension)."""
+        body = _body(model=model, layer=layer, texts=list(texts), labels=list(labels), pooling=pooling,
+                     top_k=top_k, test_fraction=test_fraction, seed=seed, include_special=include_special)
+        return self._run(Call("POST", "/v1/probes/outlier-dimension", json=body,
+                              parse=_answer(as_frame, "dimensions")))
+
+    # ------------------------------------------------------ comparisons
+    def compare_global(self, a: Space, b: Space, min_count: Optional[int] = None,
+                       sample: Optional[int] = None, seed: Optional[int] = None) -> T.GlobalSimilarity:
+        """Linear CKA, Pearson of cosines and the Procrustes residual between two spaces."""
+        body = _body(a=_space(a), b=_space(b), min_count=min_count, sample=sample, seed=seed)
+        return self._run(Call("POST", "/v1/compare/global", json=body))
+
+    def compare_lle(self, a: Space, b: Space, k: Optional[int] = None, reg: Optional[float] = None,
+                    min_count: Optional[int] = None, sample: Optional[int] = None,
+                    seed: Optional[int] = None) -> T.LLEResult:
+        """How well each token's local linear reconstruction in ``a`` transfers to ``b``."""
+        body = _body(a=_space(a), b=_space(b), k=k, reg=reg, min_count=min_count, sample=sample, seed=seed)
+        return self._run(Call("POST", "/v1/compare/lle", json=body))
+
+    def steering_transfer(self, a: Space, b: Space, vector: Optional[Sequence[float]] = None,
+                          positive_texts: Optional[Sequence[str]] = None,
+                          negative_texts: Optional[Sequence[str]] = None, ridge: Optional[float] = None,
+                          held_out: Optional[float] = None, min_count: Optional[int] = None,
+                          sample: Optional[int] = None, seed: Optional[int] = None,
+                          return_vector: Optional[bool] = None) -> T.SteeringResult:
+        """A steering vector of ``a`` (given, or positive minus negative texts) mapped into ``b``."""
+        body = _body(a=_space(a), b=_space(b), vector=list(vector) if vector is not None else None,
+                     positive_texts=list(positive_texts) if positive_texts is not None else None,
+                     negative_texts=list(negative_texts) if negative_texts is not None else None,
+                     ridge=ridge, held_out=held_out, min_count=min_count, sample=sample, seed=seed,
+                     return_vector=return_vector)
+        return self._run(Call("POST", "/v1/steering/transfer", json=body))
+
+    # ---------------------------------------------------- figures, report
+    def figure(self, collection: str, model: str, name: str, fmt: str = "png", layer: Optional[int] = None,
+               min_count: int = 1, max_count: Optional[int] = None,
+               models: Optional[Sequence[str]] = None) -> Figure:
+        """One figure (``layer`` for vm_scatter, frequency, spectrum; ``models`` to overlay
+        in layer_summary)."""
+        return self._run(Call("GET", f"{_pair(collection, model)}/figures/{name}",
+                              params=_query(format=fmt, layer=layer, min_count=min_count, max_count=max_count,
+                                            models=",".join(models) if models else None),
+                              parse=_figure(fmt)))
+
+    def layer_figure(self, collection: str, model: str, layer: int, name: str = "intrinsic_dimension",
+                     fmt: str = "png", k: Optional[int] = None, method: Optional[str] = None,
+                     threshold: Optional[float] = None, min_count: Optional[int] = None,
+                     limit: Optional[int] = None) -> Figure:
+        return self._run(Call("GET", f"{_pair(collection, model)}/layers/{layer}/figures/{name}",
+                              params=_query(format=fmt, k=k, method=method, threshold=threshold,
+                                            min_count=min_count, limit=limit),
+                              parse=_figure(fmt)))
+
+    def compare_figure(self, name: str, a: Space, b: Space, fmt: str = "png", min_count: Optional[int] = None,
+                       sample: Optional[int] = None, seed: Optional[int] = None, pairs: Optional[int] = None,
+                       k: Optional[int] = None, reg: Optional[float] = None) -> Figure:
+        """The figure of a comparison (``name`` global | lle)."""
+        return self._run(Call("GET", f"/v1/compare/figures/{name}",
+                              params=_query(a=_space_ref(a), b=_space_ref(b), format=fmt, min_count=min_count,
+                                            sample=sample, seed=seed, pairs=pairs, k=k, reg=reg),
+                              parse=_figure(fmt)))
+
+    def report(self, collection: str, model: str, min_count: int = 1, max_count: Optional[int] = None,
+               layer: Optional[int] = None, fmt: str = "png") -> Report:
+        """The report page (HTML) and the layer its per-layer figures show."""
+        return self._run(Call("GET", f"{_pair(collection, model)}/report",
+                              params=_query(format=fmt, min_count=min_count, max_count=max_count, layer=layer),
+                              parse=_report))
+
+    def export(self, collection: str, model: str, layer: int, out: Optional[BinaryIO] = None,
+               fmt: str = "parquet", min_count: int = 1, max_count: Optional[int] = None,
+               means: bool = False, as_frame: bool = False) -> Union[int, bytes, "pd.DataFrame"]:
+        """A layer's per-token export (Parquet or CSV): streamed into the binary file ``out``
+        (returns the bytes written), else its bytes, or with ``as_frame`` a DataFrame."""
+        call = Call("GET", f"{_pair(collection, model)}/layers/{layer}/export",
+                    params=_query(format=fmt, means=bool(means), min_count=min_count, max_count=max_count),
+                    parse=_export(fmt, as_frame), sink=out)
+        return self._run(call)
+
+
+_CALLS = Calls()
+
+
+def _pages(first: Call, key: str, as_frame: bool) -> Plan:
+    """Every row of a cursor-paged listing, ``first`` being the request of its first page."""
+    rows: list = []
+    call = first
+    while True:
+        page = yield call
+        rows.extend(page[key])
+        if not page.get("next_cursor"):
+            break
+        call = replace(call, params={**call.params, "cursor": page["next_cursor"]})
+    if as_frame:
+        return to_frame(rows, {k: v for k, v in page.items() if k not in (key, "next_cursor")})
+    return rows
+
+
+def _wait(job_ids: list[str], on_progress, timeout, poll_interval: float, window: int) -> Plan:
+    ids = list(dict.fromkeys(job_ids))
+    latest: dict[str, Optional[dict]] = {j: None for j in ids}
+    pending = list(ids)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        for status in (yield _CALLS.jobs(pending[:window])):
+            latest[status["job_id"]] = status
+        pending = [j for j in pending if (latest[j] or {}).get("status") not in TERMINAL]
+        if on_progress is not None:
+            on_progress([latest[j] for j in job_ids])
+        if not pending:
+            return [latest[j] for j in job_ids]
+        if deadline is not None and time.monotonic() >= deadline:
+            raise TimeoutError(f"{len(pending)} jobs not finished after {timeout}s: "
+                               f"{', '.join(pending[:5])}{' ...' if len(pending) > 5 else ''}")
+        yield Sleep(poll_interval)
+
+
+# ------------------------------------------------------------------- clients
+class _Transport:
+    """What both clients share: the connection's settings and the 429 policy."""
+
+    def __init__(self, url: str, api_key: Optional[str], timeout: float, max_retries: int,
+                 max_backoff: float):
+        self._base = dict(base_url=url.rstrip("/"), timeout=timeout,
+                          headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+        self.max_retries = max_retries
+        self.max_backoff = max_backoff
+
+    def _backoff(self, response: httpx.Response, attempt: int) -> Optional[float]:
+        """Seconds to wait before sending again, or None: not a 429, or no retries left."""
+        if response.status_code != 429 or attempt >= self.max_retries:
+            return None
+        delay = _retry_after(response)
+        if delay is None:  # full jitter, so many clients do not come back together
+            delay = random.uniform(0, 0.5 * 2 ** attempt)
+        return min(delay, self.max_backoff)
+
+    @staticmethod
+    def _request(http, call: Call) -> httpx.Request:
+        return http.build_request(call.method, call.path, params=call.params, json=call.json,
+                                  headers=call.headers)
+
+
+class EmbgeomClient(_Transport, Calls):
+    """The v1 API over HTTP (blocking).
 
     Parameters
     ----------
@@ -117,11 +565,8 @@ class EmbgeomClient:
                  max_retries: int = 10, max_backoff: float = 30.0,
                  transport: Optional[httpx.BaseTransport] = None,
                  sleep: Callable[[float], None] = time.sleep):
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=timeout,
-                                  transport=transport)
-        self.max_retries = max_retries
-        self.max_backoff = max_backoff
+        super().__init__(url, api_key, timeout, max_retries, max_backoff)
+        self._http = httpx.Client(transport=transport, **self._base)
         self._sleep = sleep
 
     def close(self) -> None:
@@ -133,537 +578,99 @@ class EmbgeomClient:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # ---------------------------------------------------------------- transport
-    def _send(self, method: str, path: str, **kwargs) -> httpx.Response:
-        """The response of a request (429 retried); an error answer raises :class:`ApiError`."""
-        for attempt in range(self.max_retries + 1):
-            response = self._http.request(method, path, **kwargs)
-            if response.status_code != 429 or attempt == self.max_retries:
-                break
-            delay = _retry_after(response)
-            if delay is None:  # full jitter, so many clients do not come back together
-                delay = random.uniform(0, 0.5 * 2 ** attempt)
-            self._sleep(min(delay, self.max_backoff))
-        if response.is_error:
-            raise ApiError.from_response(response)
-        return response
-
-    def _request(self, method: str, path: str, **kwargs) -> dict:
-        return self._send(method, path, **kwargs).json()
-
-    # --------------------------------------------------------------------- jobs
-    def submit(self, texts: Sequence[str], collection: str = "default", model: str = "minilm",
-               include_special: Optional[bool] = None, idempotency_key: Optional[str] = None) -> str:
-        """Queue ``texts``; returns the job id (the first job's, for a repeated key).
-
-        ``include_special`` None leaves it to the collection's settings (a job that says
-        otherwise than an existing collection is refused with 409)."""
-        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
-        body = {"collection": collection, "model": model, "texts": list(texts)}
-        if include_special is not None:
-            body["include_special"] = include_special
-        return self._request("POST", "/v1/jobs", json=body, headers=headers)["job_id"]
-
-    def job(self, job_id: str) -> dict:
-        return self._request("GET", f"/v1/jobs/{job_id}")
-
-    def jobs(self, job_ids: Sequence[str]) -> list[dict]:
-        """Status of many jobs in one request (``GET /v1/jobs?ids=``), in order."""
-        return self._request("GET", "/v1/jobs", params={"ids": ",".join(job_ids)})
-
-    def wait(self, job_ids: Sequence[str], on_progress: Optional[Callable[[list], None]] = None,
-             timeout: Optional[float] = None, poll_interval: float = 0.5,
-             window: int = 64) -> list[dict]:
-        """Poll until every job is done or failed; returns their final statuses, in order.
-
-        ``on_progress(statuses)`` is called after each round with the latest status of
-        every job (``None`` for one not polled yet). A round asks for the ``window`` oldest
-        unfinished jobs in one request: workers take jobs in order, so later ones rarely
-        moved. Raises ``TimeoutError`` after ``timeout`` seconds.
-        """
-        ids = list(dict.fromkeys(job_ids))
-        latest: dict[str, Optional[dict]] = {j: None for j in ids}
-        pending = list(ids)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            for status in self.jobs(pending[:window]):
-                latest[status["job_id"]] = status
-            pending = [j for j in pending if (latest[j] or {}).get("status") not in TERMINAL]
-            if on_progress is not None:
-                on_progress([latest[j] for j in job_ids])
-            if not pending:
-                return [latest[j] for j in job_ids]
-            if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError(f"{len(pending)} jobs not finished after {timeout}s: "
-                                   f"{', '.join(pending[:5])}{' ...' if len(pending) > 5 else ''}")
-            self._sleep(poll_interval)
-
-    # ---------------------------------------------------------------- reports
-    def models(self) -> list[dict]:
-        return self._request("GET", "/v1/models")
-
-    def collections(self) -> list[dict]:
-        return self._request("GET", "/v1/collections")
-
-    def delete_collection(self, collection: str) -> dict:
-        return self._request("DELETE", f"/v1/collections/{collection}")
-
-    @staticmethod
-    def _counts(min_count: int, max_count: Optional[int]) -> dict:
-        params = {"min_count": min_count}
-        if max_count is not None:
-            params["max_count"] = max_count
-        return params
-
-    def layers(self, collection: str, model: str, min_count: int = 1,
-               max_count: Optional[int] = None) -> dict:
-        """``{"layers": [row per layer], "as_of": ..., ...}`` as the service answers it."""
-        return self._request("GET", f"/v1/collections/{collection}/models/{model}/layers",
-                             params=self._counts(min_count, max_count))
-
-    def decomposition(self, collection: str, model: str, layer: int, min_count: int = 1,
-                      max_count: Optional[int] = None) -> dict:
-        return self._request(
-            "GET", f"/v1/collections/{collection}/models/{model}/layers/{layer}/decomposition",
-            params=self._counts(min_count, max_count))
-
-    def tokens(self, collection: str, model: str, layer: int, order_by: str = "n",
-               desc: bool = True, min_count: int = 1, max_count: Optional[int] = None,
-               token: Optional[str] = None, page_size: int = 1000) -> Iterator[dict]:
-        """Every token type's stats at ``layer``, following ``next_cursor`` page by page."""
-        params = {"order_by": order_by, "desc": str(desc).lower(), "limit": page_size,
-                  **self._counts(min_count, max_count)}
-        if token is not None:
-            params["token"] = token
-        path = f"/v1/collections/{collection}/models/{model}/layers/{layer}/tokens"
-        while True:
-            page = self._request("GET", path, params=params)
-            yield from page["tokens"]
-            if not page.get("next_cursor"):
-                return
-            params["cursor"] = page["next_cursor"]
-
-    def token(self, collection: str, model: str, layer: int, token_id: int) -> dict:
-        return self._request(
-            "GET", f"/v1/collections/{collection}/models/{model}/layers/{layer}/tokens/{token_id}")
-
-    # ---------------------------------------------------------- figures, report
-    def figure(self, collection: str, model: str, name: str, fmt: str = "png",
-               layer: Optional[int] = None, min_count: int = 1, max_count: Optional[int] = None,
-               models: Optional[Sequence[str]] = None) -> bytes:
-        """One figure's PNG or SVG bytes (``layer`` for vm_scatter, frequency, spectrum;
-        ``models`` to overlay in layer_summary)."""
-        params: dict = {"format": fmt, **self._counts(min_count, max_count)}
-        if layer is not None:
-            params["layer"] = layer
-        if models:
-            params["models"] = ",".join(models)
-        return self._send("GET", f"/v1/collections/{collection}/models/{model}/figures/{name}",
-                          params=params).content
-
-    def report(self, collection: str, model: str, min_count: int = 1, max_count: Optional[int] = None,
-               layer: Optional[int] = None, fmt: str = "png") -> tuple[str, Optional[int]]:
-        """The report page (HTML) and the layer its per-layer figures show."""
-        params: dict = {"format": fmt, **self._counts(min_count, max_count)}
-        if layer is not None:
-            params["layer"] = layer
-        response = self._send("GET", f"/v1/collections/{collection}/models/{model}/report", params=params)
-        shown = response.headers.get("x-embgeom-layer")
-        return response.text, (int(shown) if shown is not None else None)
-
-    def export(self, collection: str, model: str, layer: int, out, fmt: str = "parquet",
-               min_count: int = 1, max_count: Optional[int] = None, means: bool = False) -> int:
-        """Stream a layer's per-token export into the binary file ``out``; returns bytes written."""
-        params = {"format": fmt, "means": str(bool(means)).lower(), **self._counts(min_count, max_count)}
-        path = f"/v1/collections/{collection}/models/{model}/layers/{layer}/export"
-        written = 0
-        with self._http.stream("GET", path, params=params) as response:
-            if response.is_error:
-                response.read()
-                raise ApiError.from_response(response)
-            for piece in response.iter_bytes():
-                out.write(piece)
-                written += len(piece)
-        return written
-
-
-# ----------------------------------------------------------------------- ingest
-def read_texts(data: str) -> list[str]:
-    """One text per line; lines that are empty or only whitespace are skipped.
-
-    Only ``\\n`` (and a ``\\r`` before it) ends a line: other characters that
-    ``str.splitlines`` would split on (form feed, U+2028, ...) stay inside the text.
-    """
-    texts = []
-    for line in data.split("\n"):
-        if line.endswith("\r"):
-            line = line[:-1]
-        if line.strip():
-            texts.append(line)
-    return texts
-
-
-INPUT_FORMATS = ("lines", "jsonl", "csv", "parquet")
-_EXTENSIONS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".csv": "csv", ".parquet": "parquet",
-               ".pq": "parquet"}
-
-
-class InputError(ValueError):
-    """A file that cannot be read as the format it was taken for."""
-
-
-def input_format(path: str, fmt: str = "auto") -> str:
-    """The format of an input file: ``fmt`` unless "auto", else by extension (``.jsonl``,
-    ``.ndjson``, ``.csv``, ``.parquet``, ``.pq``); anything else, and stdin, is one text
-    per line."""
-    if fmt != "auto":
-        if fmt not in INPUT_FORMATS:
-            raise ValueError(f"unknown input format {fmt!r}: auto, {', '.join(INPUT_FORMATS)}")
-        return fmt
-    return "lines" if path == "-" else _EXTENSIONS.get(Path(path).suffix.lower(), "lines")
-
-
-def _field_text(value, field: str, where: str) -> Optional[str]:
-    """The text of one record's field: None (skipped) when null or blank."""
-    if value is None:
-        return None
-    if not isinstance(value, str):
-        raise InputError(f"{where}: field {field!r} is a {type(value).__name__}, not a string")
-    return value if value.strip() else None
-
-
-def read_input_texts(data: bytes, fmt: str, field: str = "text") -> list[str]:
-    """The texts of a file's bytes, in file order.
-
-    ``lines``: one text per line (:func:`read_texts`). ``jsonl``: one JSON object per
-    line, its ``field``. ``csv``: a header row naming ``field``, one record per row
-    (quoted fields may hold newlines). ``parquet``: the string column ``field``. Blank
-    lines, and records whose field is null, empty or whitespace, are skipped; a record
-    without the field, a value that is not a string, or a line that is not JSON is an
-    :class:`InputError` naming where. Text files are UTF-8 (a BOM is ignored).
-    """
-    if fmt == "lines":
-        return read_texts(data.decode("utf-8-sig"))
-    texts: list[str] = []
-    if fmt == "jsonl":
-        for number, line in enumerate(data.decode("utf-8-sig").split("\n"), 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except ValueError as exc:
-                raise InputError(f"line {number} is not JSON ({exc})") from None
-            if not isinstance(record, dict):
-                raise InputError(f"line {number} is not a JSON object")
-            if field not in record:
-                raise InputError(f"line {number} has no field {field!r}")
-            text = _field_text(record[field], field, f"line {number}")
-            if text is not None:
-                texts.append(text)
-        return texts
-    if fmt == "csv":
-        reader = csv.DictReader(io.StringIO(data.decode("utf-8-sig"), newline=""))
-        if reader.fieldnames is None:
-            return []
-        if field not in reader.fieldnames:
-            raise InputError(f"no column {field!r}; columns: {', '.join(reader.fieldnames)}")
-        for record in reader:
-            text = _field_text(record[field], field, f"record {reader.line_num}")
-            if text is not None:
-                texts.append(text)
-        return texts
-    if fmt == "parquet":
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
+    def _run(self, step):
+        if isinstance(step, Call):
+            return self._execute(step)
         try:
-            source = pq.ParquetFile(io.BytesIO(data))
-        except (pa.ArrowException, OSError) as exc:
-            raise InputError(f"not a Parquet file ({exc})") from None
-        schema = source.schema_arrow
-        if field not in schema.names:
-            raise InputError(f"no column {field!r}; columns: {', '.join(schema.names)}")
-        kind = schema.field(field).type
-        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
-            raise InputError(f"column {field!r} is {kind}, not strings")
-        for batch in source.iter_batches(columns=[field]):
-            texts.extend(t for t in batch.column(0).to_pylist() if t is not None and t.strip())
-        return texts
-    raise ValueError(f"unknown input format {fmt!r}")
-
-
-def chunk_texts(texts: Sequence[str], max_texts: int, max_bytes: int = MAX_JOB_BYTES) -> list[list[str]]:
-    """Consecutive chunks of at most ``max_texts`` texts and ``max_bytes`` UTF-8 bytes.
-
-    A single text longer than ``max_bytes`` goes alone in its chunk (texts are never cut:
-    the service windows long texts itself); the service decides whether it accepts it.
-    """
-    if max_texts < 1:
-        raise ValueError("max_texts must be at least 1")
-    chunks: list[list[str]] = []
-    current: list[str] = []
-    size = 0
-    for text in texts:
-        n = len(text.encode("utf-8"))
-        if current and (len(current) == max_texts or size + n > max_bytes):
-            chunks.append(current)
-            current, size = [], 0
-        current.append(text)
-        size += n
-    if current:
-        chunks.append(current)
-    return chunks
-
-
-def idempotency_key(collection: str, model: str, include_special: bool, file_sha256: str,
-                    index: int, chunk: Sequence[str]) -> str:
-    """The key of one chunk of one file: the same command sends the same keys.
-
-    The chunk's own content is part of it, so a run with another ``--texts-per-job``
-    never receives a job that carried different texts.
-    """
-    h = hashlib.sha256()
-    h.update(json.dumps([collection, model, bool(include_special), file_sha256, index],
-                        ensure_ascii=False).encode())
-    for text in chunk:
-        h.update(hashlib.sha256(text.encode("utf-8")).digest())
-    return f"embgeom-ingest-v1:{h.hexdigest()}"
-
-
-def _quiet_http_logs() -> None:
-    """httpx logs every request at INFO; a command's own output says what happened."""
-    log = logging.getLogger("httpx")
-    if not log.isEnabledFor(logging.DEBUG):
-        log.setLevel(logging.WARNING)
-
-
-def _read_input(path: str) -> bytes:
-    if path == "-":
-        return sys.stdin.buffer.read()
-    return Path(path).read_bytes()
-
-
-def ingest_file(args) -> int:
-    """``embgeom ingest``: submit a file's texts in jobs, wait, summarise.
-
-    Returns 0 when every job is done (or, with ``--no-wait``, submitted), 1 when a job
-    failed or the service refused a request, 2 when the file cannot be read, 130 on
-    Ctrl-C. Submitted jobs keep running on the service either way; the same command
-    resumes without counting anything twice.
-    """
-    from tqdm import tqdm
-
-    _quiet_http_logs()
-    fmt = input_format(args.file, getattr(args, "input_format", "auto"))
-    field = getattr(args, "field", "text")
-    try:
-        data = _read_input(args.file)
-        texts = read_input_texts(data, fmt, field)
-    except OSError as exc:
-        print(f"embgeom ingest: cannot read {args.file}: {exc}", file=sys.stderr)
-        return 2
-    except UnicodeDecodeError as exc:
-        print(f"embgeom ingest: {args.file} is not UTF-8 ({exc})", file=sys.stderr)
-        return 2
-    except InputError as exc:
-        print(f"embgeom ingest: {args.file}: {exc}", file=sys.stderr)
-        return 2
-    if args.texts_per_job < 1:
-        print("embgeom ingest: --texts-per-job must be at least 1", file=sys.stderr)
-        return 2
-    if not texts:
-        print(f"embgeom ingest: no texts in {args.file}", file=sys.stderr)
-        return 0
-    chunks = chunk_texts(texts, args.texts_per_job)
-    file_sha256 = hashlib.sha256(data).hexdigest()
-
-    with EmbgeomClient(args.url, api_key=args.api_key) as client:
-        job_ids: list[str] = []
-        try:
-            for index, chunk in enumerate(chunks):
-                key = idempotency_key(args.collection, args.model, args.include_special,
-                                      file_sha256, index, chunk)
-                job_ids.append(client.submit(chunk, args.collection, args.model,
-                                             args.include_special, idempotency_key=key))
-        except (ApiError, httpx.HTTPError) as exc:
-            print(f"embgeom ingest: submitting job {len(job_ids) + 1} of {len(chunks)} failed: {exc}",
-                  file=sys.stderr)
-            if job_ids:
-                print(f"{len(job_ids)} jobs were submitted; the same command resumes without "
-                      "counting them twice", file=sys.stderr)
-            return 1
-        except KeyboardInterrupt:
-            print(f"\ninterrupted after submitting {len(job_ids)} of {len(chunks)} jobs; "
-                  "the same command resumes without counting them twice", file=sys.stderr)
-            return 130
-        if args.no_wait:
-            for job_id in job_ids:
-                print(job_id)
-            print(f"submitted {len(job_ids)} jobs, {len(texts)} texts", file=sys.stderr)
-            return 0
-
-        sizes = [len(c) for c in chunks]
-        bar = tqdm(total=len(texts), unit="text", disable=args.quiet, file=sys.stderr,
-                   desc=f"{args.collection}/{args.model}")
-
-        def on_progress(statuses: list) -> None:
-            done = 0.0
-            for size, status in zip(sizes, statuses):
-                if status is not None:
-                    done += size if status["status"] in TERMINAL else size * status["progress"]
-            bar.update(int(round(done)) - bar.n)
-
-        try:
-            final = client.wait(job_ids, on_progress=on_progress)
-            stored = {c["name"]: c["models"] for c in client.collections()}
-        except KeyboardInterrupt:
-            print("\ninterrupted; the jobs keep running on the service, and the same command "
-                  "resumes waiting for them", file=sys.stderr)
-            return 130
-        except (ApiError, httpx.HTTPError) as exc:
-            print(f"embgeom ingest: waiting for the jobs failed: {exc}", file=sys.stderr)
-            return 1
+            instruction = next(step)
+            while True:
+                if isinstance(instruction, Sleep):
+                    result = self._sleep(instruction.seconds)
+                else:
+                    result = self._execute(instruction)
+                instruction = step.send(result)
+        except StopIteration as stop:
+            return stop.value
         finally:
-            bar.close()
+            step.close()
 
-    failed = [s for s in final if s["status"] == "failed"]
-    tokens = sum(s["tokens"] for s in final if s["status"] == "done")
-    print(f"jobs: {len(final)}  texts: {len(texts)}  tokens: {tokens}  failed: {len(failed)}")
-    for status in failed:
-        print(f"failed job {status['job_id']}: {status['error']}", file=sys.stderr)
-    if len(failed) < len(final) and args.model not in stored.get(args.collection, []):
-        # The jobs are done but their counts are gone: the collection was deleted after
-        # they ran. The service keeps Idempotency-Keys across a DELETE, so this command
-        # got the old jobs back instead of counting the file again.
-        print(f"embgeom ingest: collection {args.collection!r} holds nothing for {args.model!r}: it was "
-              "deleted after these jobs ran, and the service returned the old jobs for this file "
-              "instead of counting it again; ingest into another --collection", file=sys.stderr)
-        return 1
-    return 1 if failed else 0
-
-
-# ----------------------------------------------------------------------- report
-def report_command(args) -> int:
-    """``embgeom report``: write the report page and every figure into ``--out``.
-
-    The page is ``report.html``; each figure is ``<name>.<format>``. The per-layer
-    figures show ``--layer``, by default the layer the service's page shows (the middle
-    kept one). Returns 0, 1 when the service refuses, 2 when ``--out`` cannot be written.
-    """
-    from embgeom.figures import FIGURES
-    from embgeom.renders import LAYER_FIGURES
-
-    _quiet_http_logs()
-    out = Path(args.out)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        print(f"embgeom report: cannot create {out}: {exc}", file=sys.stderr)
-        return 2
-    written = []
-    try:
-        with EmbgeomClient(args.url, api_key=args.api_key, timeout=300) as client:
-            page, layer = client.report(args.collection, args.model, args.min_count, args.max_count,
-                                        args.layer, args.format)
-            path = out / "report.html"
-            path.write_text(page, encoding="utf-8")
-            written.append(path)
-            for name in FIGURES:
-                if name in LAYER_FIGURES and layer is None:
-                    continue  # nothing ingested yet: no layer to show
-                content = client.figure(args.collection, args.model, name, args.format,
-                                        layer if name in LAYER_FIGURES else None,
-                                        args.min_count, args.max_count)
-                path = out / f"{name}.{args.format}"
-                path.write_bytes(content)
-                written.append(path)
-    except (ApiError, httpx.HTTPError) as exc:
-        print(f"embgeom report: {exc}", file=sys.stderr)
-        return 1
-    except OSError as exc:
-        print(f"embgeom report: cannot write into {out}: {exc}", file=sys.stderr)
-        return 2
-    for path in written:
-        print(path)
-    return 0
+    def _execute(self, call: Call):
+        request = self._request(self._http, call)
+        for attempt in range(self.max_retries + 1):
+            response = self._http.send(request, stream=True)
+            delay = self._backoff(response, attempt)
+            if delay is None:
+                break
+            response.close()
+            self._sleep(delay)
+        try:
+            if call.sink is not None and not response.is_error:
+                written = 0
+                for piece in response.iter_bytes():
+                    call.sink.write(piece)
+                    written += len(piece)
+                return written
+            response.read()
+            return call.finish(response)
+        finally:
+            response.close()
 
 
-# ------------------------------------------------------------------------ table
-def _cell(value, fmt: str) -> str:
-    if value is None:
-        return ""
-    if isinstance(value, float) and fmt == "markdown":
-        return f"{value:.6g}"
-    return repr(value) if isinstance(value, float) else str(value)
+class AsyncEmbgeomClient(_Transport, Calls):
+    """The v1 API over ``httpx.AsyncClient``: every method of :class:`EmbgeomClient`,
+    awaited (``await client.layers(...)``). Parameters as :class:`EmbgeomClient`'s, with an
+    ``httpx.AsyncBaseTransport`` and an async ``sleep``."""
 
+    def __init__(self, url: str, api_key: Optional[str] = None, timeout: float = 60.0,
+                 max_retries: int = 10, max_backoff: float = 30.0,
+                 transport: Optional[httpx.AsyncBaseTransport] = None,
+                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep):
+        super().__init__(url, api_key, timeout, max_retries, max_backoff)
+        self._http = httpx.AsyncClient(transport=transport, **self._base)
+        self._sleep = sleep
 
-def _listed(items, most: int = 5) -> str:
-    """At most ``most`` items, then how many more."""
-    items = list(items)
-    if not items:
-        return "-"
-    more = f" +{len(items) - most} more" if len(items) > most else ""
-    return " ".join(items[:most]) + more
+    async def aclose(self) -> None:
+        await self._http.aclose()
 
+    async def __aenter__(self) -> "AsyncEmbgeomClient":
+        return self
 
-def isotropy_rows(client: "EmbgeomClient", collection: str, model: str, threshold: float = 5.0,
-                  min_count: int = 1, rogue: int = 3) -> list[dict]:
-    """Per layer: isotropy figures, outlier dimensions and the top rogue dimensions."""
-    base = f"/v1/collections/{collection}/models/{model}"
-    layers = client._request("GET", f"{base}/layers")["layers"]
-    rows = []
-    for layer in (row["layer"] for row in layers):
-        iso = client._request("GET", f"{base}/layers/{layer}/isotropy", params={"min_count": min_count})
-        out = client._request("GET", f"{base}/layers/{layer}/outliers",
-                              params={"threshold": threshold, "top": rogue})
-        rows.append({
-            **{k: iso.get(k) for k in ("layer", "n", "isoscore", "mean_cosine", "effective_rank",
-                                       "participation_ratio", "top_eigenvalue_ratio",
-                                       "partition_isotropy_log10")},
-            "outliers": _listed(f"{d['dim']}({d['ratio']:.1f})" for d in out["dimensions"]),
-            "rogue": " ".join(f"{d['dim']}({d['share']:.2f})" for d in (out["rogue"] or [])) or "-",
-        })
-    return rows
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
 
+    async def _run(self, step):
+        if isinstance(step, Call):
+            return await self._execute(step)
+        try:
+            instruction = next(step)
+            while True:
+                if isinstance(instruction, Sleep):
+                    result = await self._sleep(instruction.seconds)
+                else:
+                    result = await self._execute(instruction)
+                instruction = step.send(result)
+        except StopIteration as stop:
+            return stop.value
+        finally:
+            step.close()
 
-def format_table(rows: Sequence[dict], fmt: str = "markdown", columns: Optional[dict] = None) -> str:
-    """The per-layer table of :data:`TABLE_COLUMNS` from /layers rows.
-
-    ``csv`` and ``json`` keep every float exactly (shortest repr); ``markdown`` shows six
-    significant digits. A value the service left null is an empty cell (``null`` in json).
-    """
-    columns = columns or TABLE_COLUMNS
-    table = [{col: row.get(field) for col, field in columns.items()} for row in rows]
-    if fmt == "json":
-        return json.dumps(table, indent=2)
-    if fmt == "csv":
-        out = io.StringIO()
-        writer = csv.writer(out, lineterminator="\n")
-        writer.writerow(columns)
-        writer.writerows([_cell(r[c], fmt) for c in columns] for r in table)
-        return out.getvalue().rstrip("\n")
-    if fmt != "markdown":
-        raise ValueError(f"unknown format {fmt!r}: markdown, csv or json")
-    cells = [list(columns)] + [[_cell(r[c], fmt) for c in columns] for r in table]
-    widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
-    lines = ["| " + " | ".join(c.rjust(w) for c, w in zip(line, widths)) + " |" for line in cells]
-    lines.insert(1, "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|")
-    return "\n".join(lines)
-
-
-def table_command(args) -> int:
-    """``embgeom table``: print /layers of a collection and model as a table."""
-    _quiet_http_logs()
-    try:
-        with EmbgeomClient(args.url, api_key=args.api_key) as client:
-            if getattr(args, "kind", "layers") == "isotropy":
-                rows = isotropy_rows(client, args.collection, args.model, args.threshold,
-                                     args.min_count)
-                print(format_table(rows, args.format, ISOTROPY_COLUMNS))
-                return 0
-            body = client.layers(args.collection, args.model, args.min_count, args.max_count)
-    except (ApiError, httpx.HTTPError) as exc:
-        print(f"embgeom table: {exc}", file=sys.stderr)
-        return 1
-    print(format_table(body["layers"], args.format))
-    return 0
+    async def _execute(self, call: Call):
+        request = self._request(self._http, call)
+        for attempt in range(self.max_retries + 1):
+            response = await self._http.send(request, stream=True)
+            delay = self._backoff(response, attempt)
+            if delay is None:
+                break
+            await response.aclose()
+            await self._sleep(delay)
+        try:
+            if call.sink is not None and not response.is_error:
+                written = 0
+                async for piece in response.aiter_bytes():
+                    call.sink.write(piece)
+                    written += len(piece)
+                return written
+            await response.aread()
+            return call.finish(response)
+        finally:
+            await response.aclose()

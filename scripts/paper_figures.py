@@ -60,7 +60,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import httpx  # noqa: E402
 
-from embgeom.client import EmbgeomClient, chunk_texts, idempotency_key  # noqa: E402
+from embgeom.client import EmbgeomClient  # noqa: E402
+from embgeom.inputs import chunk_texts, idempotency_key  # noqa: E402
 from embgeom.corpora import bbc_texts  # noqa: E402
 from embgeom.store.server import free_port  # noqa: E402
 
@@ -124,7 +125,7 @@ class Service:
 def ensure_collection(client: EmbgeomClient, collection: str) -> dict:
     """``PUT /v1/collections/{c}`` ``{"preset": "paper"}``: 201 created, 200 already there
     with the same rule (a re-run on the same data); 409 (other settings) raises."""
-    return client._request("PUT", f"/v1/collections/{collection}", json={"preset": "paper"})
+    return client.create_collection(collection, preset="paper")
 
 
 def ingest(client: EmbgeomClient, collection: str, model: str, texts: list[str],

@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from embgeom.client import InputError, input_format, read_input_texts
+from embgeom.inputs import InputError, input_format, read_input_texts
 from embgeom.figures import FIGURES
 from tests.conftest import REPO
 

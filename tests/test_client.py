@@ -17,10 +17,9 @@ import sys
 import httpx
 import pytest
 
-from embgeom.client import (
-    MAX_JOB_BYTES, TABLE_COLUMNS, ApiError, EmbgeomClient, chunk_texts, format_table,
-    idempotency_key, read_texts,
-)
+from embgeom.client import ApiError, EmbgeomClient
+from embgeom.inputs import MAX_JOB_BYTES, chunk_texts, idempotency_key, read_texts
+from embgeom.tables import TABLE_COLUMNS, format_table
 from tests.conftest import REPO, wait_for_jobs
 
 

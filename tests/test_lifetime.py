@@ -311,6 +311,35 @@ def test_one_redis_per_data_folder(tmp_path):
         assert redis_servers_in(tmp_path / "redis") == [again.process.pid]
 
 
+def test_a_killed_redis_restarts_once_its_aof_rewrite_child_ends(tmp_path):
+    """Redis SIGKILLed during an AOF rewrite: the rewrite child inherited the folder's lock
+    and finishes its file. A restart waits for it (here about 3 s) instead of refusing at
+    once as if another server held the folder (the soak's Redis fault hit this), and every
+    key is back from the AOF."""
+    import redis as redis_py
+
+    first = RedisServer(tmp_path / "redis").start()
+    client = redis_py.Redis(port=first.port)
+    for i in range(30):
+        client.set(f"k{i}", "x" * 100)
+    client.config_set("rdb-key-save-delay", 100000)  # 0.1 s a key: a rewrite of about 3 s
+    client.bgrewriteaof()
+    children = Path(f"/proc/{first.process.pid}/task/{first.process.pid}/children")
+    deadline = time.monotonic() + 5
+    while not children.read_text().split() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.2)  # the child has started writing
+    client.close()
+    first.kill()
+    with pytest.raises(DataDirBusy, match=f"after its redis-server \\(pid {first.process.pid}\\) ended"):
+        RedisServer(tmp_path / "redis").start(timeout=0.5)
+    again = RedisServer(tmp_path / "redis").start(timeout=30)
+    try:
+        assert redis_py.Redis(port=again.port).dbsize() == 30
+    finally:
+        again.stop()
+
+
 def test_spawn_sets_niceness():
     child = spawn(["sleep", "30"], nice=7)
     try:

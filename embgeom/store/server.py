@@ -108,9 +108,11 @@ class DataDirLock:
         return [int(p) for p in raw if p.isdigit()]
 
     def acquire(self, wait: float = 10.0) -> "DataDirLock":
-        """Take the lock. Held by a live owner: ``DataDirBusy`` at once. Held only by a
-        server whose owner is gone (it is stopping on its parent-death signal): wait up to
-        ``wait`` seconds for it to end, then ``DataDirBusy``."""
+        """Take the lock. Held by a live owner whose server runs: ``DataDirBusy`` at once.
+        Otherwise wait up to ``wait`` seconds for the holders to end, then ``DataDirBusy``:
+        a server whose owner is gone (it is stopping on its parent-death signal), or the
+        forked child of a server that died (an AOF rewrite child inherits the descriptor
+        and finishes its file after a SIGKILL of its parent)."""
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         deadline = time.monotonic() + wait
         while True:
@@ -120,9 +122,10 @@ class DataDirLock:
             except BlockingIOError:
                 pids = self.holders(fd)
                 owner_alive = not pids or _alive(pids[0])
-                if owner_alive or time.monotonic() > deadline:
+                server_gone = len(pids) > 1 and not _alive(pids[1])
+                if (owner_alive and not server_gone) or time.monotonic() > deadline:
                     os.close(fd)
-                    raise DataDirBusy(self._busy_message(pids, owner_alive)) from None
+                    raise DataDirBusy(self._busy_message(pids, owner_alive, server_gone)) from None
                 time.sleep(0.1)
         self.fd = fd
         self.record(os.getpid())
@@ -134,11 +137,15 @@ class DataDirLock:
         if Path(data_dir).is_dir():
             cls(Path(data_dir).resolve()).acquire(wait).release()
 
-    def _busy_message(self, pids: list[int], owner_alive: bool) -> str:
+    def _busy_message(self, pids: list[int], owner_alive: bool, server_gone: bool = False) -> str:
         folder = self.path.parent
         if not pids:
             return f"{folder} is in use by another server (lock {self.path}); give this one another data folder"
         server = f", redis-server pid {pids[1]}" if len(pids) > 1 else ""
+        if server_gone:
+            return (f"{folder} is still held after its redis-server (pid {pids[1]}) ended: by its "
+                    f"owner (pid {pids[0]}{'' if owner_alive else ', gone'}) or a process it forked "
+                    "(an AOF rewrite); wait for it to end, or stop it, and start again")
         if owner_alive:
             return (f"{folder} is in use by another embgeom server (pid {pids[0]}{server}): "
                     "stop it, or give this one another --data-dir")
@@ -179,7 +186,7 @@ class RedisServer:
                 f"{self.data_dir} holds the data of Redis 7 or newer, which {binary} "
                 f"(Redis {redis_major_version(binary) or 'of unknown version'}) cannot read; "
                 "install Redis 7 (redis-server) or set EMBGEOM_REDIS_SERVER_BIN to one")
-        self.lock.acquire()
+        self.lock.acquire(wait=timeout)
         args = [
             binary,
             "--port", str(self.port), "--bind", "127.0.0.1",
