@@ -331,6 +331,16 @@ def covariance(reader: Reader, pair: PairKeys, layer: int) -> Plan:
 SIMILARITY_METRICS = ("linear_cka", "rv")
 
 
+def require_cross_layer(pair: PairKeys, state: PairState) -> None:
+    """``cross_layer_not_kept`` (409) unless the pair keeps its cross-layer co-moment (an
+    empty pair, with no settings yet, passes: it answers an empty matrix)."""
+    if state.conf is not None and not state.conf.cross_layer:
+        raise Conflict("cross_layer_not_kept",
+                       f"collection {pair.collection!r} was created without cross_layer: it keeps "
+                       "no cross-layer moments (create a collection with {\"cross_layer\": true})",
+                       collection=pair.collection, model=pair.model)
+
+
 def layer_similarity(reader: Reader, pair: PairKeys, metric: str = "linear_cka") -> Plan:
     """Layer-by-layer similarity over every occurrence ingested, from the streamed
     cross-layer co-moment (:func:`embgeom.geometry.similarity.layer_cka`): ``{"layers",
@@ -345,11 +355,7 @@ def layer_similarity(reader: Reader, pair: PairKeys, metric: str = "linear_cka")
     if state.empty:
         return out
     conf = state.conf
-    if not conf.cross_layer:
-        raise Conflict("cross_layer_not_kept",
-                       f"collection {pair.collection!r} was created without cross_layer: it keeps "
-                       "no cross-layer moments (create a collection with {\"cross_layer\": true})",
-                       collection=pair.collection, model=pair.model)
+    require_cross_layer(pair, state)
     cross = yield from reader.cross_layer(state)
     out.update({"layers": list(conf.layers), "n": int(cross["n"])})
     if cross["n"] == 0:
