@@ -110,6 +110,14 @@ def test_cross_layer_cka_alignment_and_intrinsic_dimension_over_http(embedded_se
             assert pair[name] > pair["baseline"][name] + 0.1, (name, pair)
         # chance level of the shuffled pairing: k / (m - 1) for mutual k-NN
         assert pair["baseline"]["mutual_knn"] < 3 * pair["chance_mutual_knn"]
+        # The acceptance's figures (docs/similarity.md quotes a run with -s).
+        print(f"\nacceptance: {len(TEXTS)} texts, n = {sim['n']} occurrences, CKA max |error| vs float64 "
+              f"two-pass = {np.max(np.abs(got - expected)):.3e} (min CKA {got.min():.4f}); self "
+              + ", ".join(f"{name} {same[name]!r}" for name in ("unbiased_cka", "mutual_knn", "cknna"))
+              + f"; layer 3 vs 5 on {pair['tokens_used']} tokens (k = 10): "
+              + ", ".join(f"{name} {pair[name]:.4f} (baseline {pair['baseline'][name]:.4f})"
+                          for name in ("cka_linear", "unbiased_cka", "mutual_knn", "cknna"))
+              + f", chance_mutual_knn {pair['chance_mutual_knn']:.4f}")
 
         # --- intrinsic dimension of real token means against scikit-dimension
         min_count, k = 3, 15
