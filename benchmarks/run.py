@@ -1,6 +1,6 @@
 """``make bench``: the figures of the GPU-speed ingestion issue, measured side by side.
 
-``python -m benchmarks.run [--quick] [--only e2e,ceiling,workers,reads]`` prints a table
+``python -m benchmarks.run [--quick] [--only e2e,ceiling,workers,reads,cross_layer]`` prints a table
 (each figure beside its target) and writes ``bench.json`` (``BENCH_JSON``, default the
 repository root):
 
@@ -20,6 +20,10 @@ repository root):
   command during the whole run (SLOWLOG).
 - ``redis_bytes_per_token_layer_over_raw``: Redis memory per (token type, layer) over the
   raw ``(2 + d) x 8`` bytes, self-similarity off and on.
+- ``cross_layer``: what keeping the layer-by-layer CKA costs: MiniLM through the service
+  (embedded ``embgeom serve``) on the same texts into a collection without and one with
+  ``cross_layer``, alternated, medians of the repeats (``tok_s_off``, ``tok_s_on``,
+  ``ratio`` = on / off).
 
 Nothing here asserts a time: figures are printed with their targets.
 """
@@ -288,6 +292,33 @@ def bench_e2e(repeat: int, quick: bool) -> dict:
             "ratio_per_repeat": ratios}
 
 
+def bench_cross_layer(repeat: int, quick: bool) -> dict:
+    """MiniLM tokens/s through one ``embgeom serve``, the same jobs into a fresh collection
+    without and one with ``cross_layer`` (alternated, so drift hits both), medians."""
+    texts = e2e_texts(400 if quick else 2000)
+    jobs = split_jobs(texts)
+    tmp = Path(tempfile.mkdtemp(prefix="embgeom-bench-xl-"))
+    serve = ServeProcess(tmp)
+    off, on = [], []
+    try:
+        serve.wait_ready()
+        with httpx.Client(base_url=serve.url, timeout=120) as client:
+            run_jobs(client, "warm", [texts[:10]])  # the worker loads its model
+            for r in range(repeat):
+                for cross in ((False, True) if r % 2 == 0 else (True, False)):
+                    name = f"xl{r}{'on' if cross else 'off'}"
+                    client.put(f"/v1/collections/{name}", json={"cross_layer": cross}).raise_for_status()
+                    seconds, tokens = run_jobs(client, name, jobs)
+                    (on if cross else off).append(tokens / seconds)
+    finally:
+        serve.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return {"texts": len(texts), "jobs": len(jobs), "tokens": tokens, "repeats": repeat,
+            "tok_s_off": statistics.median(off), "tok_s_on": statistics.median(on),
+            "ratio": statistics.median(on) / statistics.median(off),
+            "ratio_per_repeat": [b / a for a, b in zip(off, on)]}
+
+
 # ------------------------------------------------------------------ host ceiling
 
 
@@ -509,6 +540,11 @@ def table(res: dict) -> str:
         rows.append((f"reads.{k}", f"{v:,.1f}" if isinstance(v, float) else str(v), ""))
     for k, v in (res.get("redis_bytes_per_token_layer_over_raw") or {}).items():
         rows.append((f"redis_bytes_per_token_layer_over_raw.{k}", f"{v:.3f}", ""))
+    xl = res.get("cross_layer")
+    if xl:
+        rows += [("cross_layer.tok_s_off", f"{xl['tok_s_off']:,.0f}", "MiniLM through the service"),
+                 ("cross_layer.tok_s_on", f"{xl['tok_s_on']:,.0f}", "the same, keeping the layer-by-layer CKA"),
+                 ("cross_layer.ratio", f"{xl['ratio']:.3f}", "on / off")]
     lines = []
     w0 = max(len(r[0]) for r in rows) if rows else 10
     for name, value, note in rows:
@@ -526,8 +562,8 @@ def table(res: dict) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes (a smoke run, minutes)")
-    parser.add_argument("--only", default="e2e,ceiling,workers,reads",
-                        help="comma-separated sections: e2e, ceiling, workers, reads")
+    parser.add_argument("--only", default="e2e,ceiling,workers,reads,cross_layer",
+                        help="comma-separated sections: e2e, ceiling, workers, reads, cross_layer")
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args(argv)
     sections = set(args.only.split(","))
@@ -562,6 +598,8 @@ def main(argv=None) -> int:
             res["redis_bytes_per_token_layer_over_raw"] = ratios
     if "workers" in sections:
         res["workers_one_collection"] = bench_workers(slowest, args.quick)
+    if "cross_layer" in sections:
+        res["cross_layer"] = bench_cross_layer(args.repeat if not args.quick else 1, args.quick)
     res.setdefault("reads", {})["redis_slowest_command_ms"] = slowest.ms
     res["reads"]["redis_slowest_command"] = slowest.command
     res["reads"]["redis_commands_over_50ms"] = slowest.over_50ms

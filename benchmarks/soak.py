@@ -128,7 +128,8 @@ PLANS = {
 
 def _figure_names() -> dict[str, list[str]]:
     """The figures every read sweep asks, by path template: the names each route knows."""
-    from embgeom import figures, geometry_figures
+    from embgeom import figures
+    from embgeom.figures import geometry as geometry_figures
 
     return {"/v1/collections/{collection}/models/{model}/figures/{name}": list(figures.FIGURES),
             "/v1/collections/{collection}/models/{model}/layers/{layer}/figures/{name}":

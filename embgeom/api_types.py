@@ -26,6 +26,7 @@ __all__ = [
     "LLEResult",
     "LayerOutliers",
     "LayerRow",
+    "LayerSimilarity",
     "LayersOut",
     "MapFit",
     "ModelOut",
@@ -74,6 +75,7 @@ class Deleted(TypedDict):
 
 
 class CollectionSettingsOut(TypedDict):
+    cross_layer: bool
     include_special: bool
     key: str
     layers: Optional[list[int]]
@@ -293,6 +295,14 @@ class ModelOutliers(TypedDict):
     transform: str
 
 
+class LayerSimilarity(TypedDict):
+    as_of: Optional[AsOf]
+    layers: list[int]
+    matrix: list[list[Optional[float]]]
+    metric: Literal['linear_cka', 'rv']
+    n: int
+
+
 class SpaceOut(TypedDict):
     collection: str
     layer: Union[int, str]
@@ -306,8 +316,11 @@ class PairAsOf(TypedDict):
 
 class GlobalScores(TypedDict):
     cka_linear: Optional[float]
+    cknna: Optional[float]
+    mutual_knn: Optional[float]
     pearson_cosine: Optional[float]
     procrustes_residual: Optional[float]
+    unbiased_cka: Optional[float]
 
 
 class GlobalSimilarity(TypedDict):
@@ -315,9 +328,13 @@ class GlobalSimilarity(TypedDict):
     as_of: PairAsOf
     b: SpaceOut
     baseline: GlobalScores
+    chance_mutual_knn: float
     cka_linear: Optional[float]
+    cknna: Optional[float]
+    k: int
     matched_by: Literal['id', 'string']
     min_count: int
+    mutual_knn: Optional[float]
     pairs: int
     pearson_cosine: Optional[float]
     procrustes_residual: Optional[float]
@@ -325,6 +342,7 @@ class GlobalSimilarity(TypedDict):
     seed: int
     shared_tokens: int
     tokens_used: int
+    unbiased_cka: Optional[float]
 
 
 class LLEResult(TypedDict):

@@ -235,9 +235,14 @@ def report_command(args) -> int:
             for name in FIGURES:
                 if name in LAYER_FIGURES and layer is None:
                     continue  # nothing ingested yet: no layer to show
-                content = client.figure(args.collection, args.model, name, args.format,
-                                        layer if name in LAYER_FIGURES else None,
-                                        args.min_count, args.max_count)
+                try:
+                    content = client.figure(args.collection, args.model, name, args.format,
+                                            layer if name in LAYER_FIGURES else None,
+                                            args.min_count, args.max_count)
+                except ApiError as exc:
+                    if exc.type == "cross_layer_not_kept":
+                        continue  # cka: the collection was made without cross_layer
+                    raise
                 path = out / f"{name}.{args.format}"
                 path.write_bytes(content)
                 written.append(path)

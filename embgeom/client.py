@@ -41,7 +41,7 @@ from typing import (TYPE_CHECKING, Any, Awaitable, BinaryIO, Callable, Generator
 import httpx
 
 from embgeom import api_types as T
-from embgeom.tables import to_frame
+from embgeom.tables import square_frame, to_frame
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -306,12 +306,15 @@ class Calls:
     def create_collection(self, collection: str, preset: Optional[str] = None, key: Optional[str] = None,
                           unit: Optional[str] = None, include_special: Optional[bool] = None,
                           layers: Optional[Sequence[int]] = None,
-                          self_similarity: Optional[bool] = None) -> T.CollectionInfo:
+                          self_similarity: Optional[bool] = None,
+                          cross_layer: Optional[bool] = None) -> T.CollectionInfo:
         """Create a collection with fixed settings (``preset="paper"``, or ``key`` id|string,
-        ``unit`` token|word, ...). The same settings again answer the collection
-        (``created`` false); other settings for an existing one are a 409 :class:`ApiError`."""
+        ``unit`` token|word, ``cross_layer`` to keep the moments of :meth:`similarity`, ...).
+        The same settings again answer the collection (``created`` false); other settings
+        for an existing one are a 409 :class:`ApiError`."""
         body = _body(preset=preset, key=key, unit=unit, include_special=include_special,
-                     layers=list(layers) if layers is not None else None, self_similarity=self_similarity)
+                     layers=list(layers) if layers is not None else None, self_similarity=self_similarity,
+                     cross_layer=cross_layer)
         return self._run(Call("PUT", f"/v1/collections/{collection}", json=body))
 
     def delete_collection(self, collection: str) -> T.Deleted:
@@ -348,6 +351,20 @@ class Calls:
         """The ``k`` nearest token types of one (cosine of mean vectors)."""
         return self._run(Call("GET", f"{_pair(collection, model)}/layers/{layer}/tokens/{token_id}/neighbors",
                               params=_query(k=k, min_count=min_count), parse=_answer(as_frame, "neighbors")))
+
+    def similarity(self, collection: str, model: str, metric: Optional[str] = None,
+                   as_frame: bool = False) -> Union[T.LayerSimilarity, "pd.DataFrame"]:
+        """Layer-by-layer similarity over every occurrence ingested (``metric`` linear_cka |
+        rv; collections created with ``cross_layer``, else a 409 ``cross_layer_not_kept``);
+        with ``as_frame`` the L x L matrix indexed by layer on both axes."""
+        def parse(response: httpx.Response):
+            body = response.json()
+            if not as_frame:
+                return body
+            return square_frame(body["layers"], body["matrix"],
+                                {k: v for k, v in body.items() if k not in ("layers", "matrix")})
+        return self._run(Call("GET", f"{_pair(collection, model)}/similarity", params=_query(metric=metric),
+                              parse=parse))
 
     # ----------------------------------------------------------- isotropy
     def isotropy(self, collection: str, model: str, layer: int, transform: Optional[str] = None,
@@ -411,9 +428,11 @@ class Calls:
 
     # ------------------------------------------------------ comparisons
     def compare_global(self, a: Space, b: Space, min_count: Optional[int] = None,
-                       sample: Optional[int] = None, seed: Optional[int] = None) -> T.GlobalSimilarity:
-        """Linear CKA, Pearson of cosines and the Procrustes residual between two spaces."""
-        body = _body(a=_space(a), b=_space(b), min_count=min_count, sample=sample, seed=seed)
+                       sample: Optional[int] = None, seed: Optional[int] = None,
+                       k: Optional[int] = None) -> T.GlobalSimilarity:
+        """Pearson of cosines, linear and unbiased CKA, the Procrustes residual, mutual k-NN
+        and CKNNA (``k`` neighbours) between two spaces, each beside its shuffled baseline."""
+        body = _body(a=_space(a), b=_space(b), min_count=min_count, sample=sample, seed=seed, k=k)
         return self._run(Call("POST", "/v1/compare/global", json=body))
 
     def compare_lle(self, a: Space, b: Space, k: Optional[int] = None, reg: Optional[float] = None,

@@ -33,13 +33,14 @@ from embgeom import figures, reports
 from embgeom.errors import InvalidInput, NotFound
 from embgeom.report_page import ISOTROPY_COLUMNS, build_report
 from embgeom.stats import layer_summary
+from embgeom.store.conf import PairConf
 from embgeom.store.keys import PairKeys
 from embgeom.store.reader import PairState, Plan, Reader
 
 __all__ = [
     "LAYER_FIGURES", "FILTERED_FIGURES", "MAX_OVERLAID_MODELS", "REPORT_ISOTROPY_COLUMNS",
     "FigureParams", "Rendered", "RenderCache", "check_format", "figure_params", "default_layer",
-    "render_figure", "render_report",
+    "render_figure", "render_report", "report_figures", "report_links",
 ]
 
 # Figures of one layer (``?layer=`` required) and figures over the count-filtered types.
@@ -63,6 +64,7 @@ _NEEDS = {
     "isotropy": {"isotropy"},
     "outliers": {"outliers"},
     "spectrum": {"spectrum"},
+    "cka": {"similarity"},
 }
 
 
@@ -262,6 +264,8 @@ def _snapshot(reader: Reader, pair: PairKeys, needs: set, count_filter: reports.
         snap["eigenvalues"] = iso["eigenvalues"]
     if "outliers" in needs:
         snap["outliers"] = yield from reports.model_outliers(reader, pair)
+    if "similarity" in needs and state.conf.cross_layer:
+        snap["similarity"] = yield from reports.layer_similarity(reader, pair)
     return snap
 
 
@@ -290,6 +294,8 @@ def _draw(name: str, fmt: str, snaps: Sequence[dict]) -> bytes:
         return figures.outliers(snap.get("outliers", {}), model, fmt=fmt)
     if name == "spectrum":
         return figures.spectrum(snap.get("eigenvalues"), layer, model, fmt=fmt)
+    if name == "cka":
+        return figures.cka(snap.get("similarity"), model, fmt=fmt)
     raise ValueError(f"no figure {name!r}")
 
 
@@ -329,6 +335,8 @@ def render_figure(cache: RenderCache, read: Callable[[Plan], Any], reader: Reade
         return snaps
 
     snaps = read(plan())
+    if params.name == "cka":
+        reports.require_cross_layer(pairs[0], snaps[0]["state"])
     content = _draw(params.name, params.fmt, snaps)
     as_of = snaps[0]["state"].as_of()
     _store(cache, read, reader, pairs, snaps, [(what, (content, as_of))])
@@ -337,13 +345,21 @@ def render_figure(cache: RenderCache, read: Callable[[Plan], Any], reader: Reade
 
 # ------------------------------------------------------------------ report
 
+def report_figures(conf: Optional[PairConf]) -> tuple[str, ...]:
+    """The figures of a pair's page: ``cka`` only where the collection keeps cross_layer."""
+    return tuple(n for n in figures.FIGURES if n != "cka" or (conf is not None and conf.cross_layer))
+
+
 def report_links(pair: PairKeys, layer: Optional[int], count_filter: reports.CountFilter,
-                 prefix: str = "") -> list[tuple[str, str]]:
-    """(label, href) of the JSON endpoints (and figures, exports) behind the page."""
+                 prefix: str = "", cross_layer: bool = False) -> list[tuple[str, str]]:
+    """(label, href) of the JSON endpoints (and figures, exports) behind the page; the
+    layer-by-layer CKA ones only for a ``cross_layer`` collection (elsewhere they are 409)."""
     base = f"{prefix}/v1/collections/{quote(pair.collection, safe='')}/models/{quote(pair.model, safe='')}"
     counts = urlencode({k: v for k, v in count_filter.to_dict().items() if v is not None})
     links = [("per-layer statistics (JSON)", f"{base}/layers?{counts}"),
              ("outlier dimensions of every layer (JSON)", f"{base}/outliers")]
+    if cross_layer:
+        links.append(("layer-by-layer linear CKA (JSON)", f"{base}/similarity?metric=linear_cka"))
     if layer is not None:
         lb = f"{base}/layers/{layer}"
         links += [
@@ -355,6 +371,8 @@ def report_links(pair: PairKeys, layer: Optional[int], count_filter: reports.Cou
             (f"layer {layer}: export (CSV)", f"{lb}/export?format=csv&{counts}"),
         ]
     for name in figures.FIGURES:
+        if name == "cka" and not cross_layer:
+            continue
         query = {"format": "svg"}
         if name in LAYER_FIGURES:
             if layer is None:
@@ -388,7 +406,7 @@ def render_report(cache: RenderCache, read: Callable[[Plan], Any], reader: Reade
     prints = (_fingerprint(state),)
     entries = []
     drawn = {}
-    for name in figures.FIGURES:
+    for name in report_figures(state.conf):
         params = FigureParams(name, fmt, shown if name in LAYER_FIGURES else None,
                               *((f.min_count, f.max_count) if name in FILTERED_FIGURES else (1, None)),
                               models=(pair.model,))
@@ -408,13 +426,15 @@ def render_report(cache: RenderCache, read: Callable[[Plan], Any], reader: Reade
     if conf is not None:
         summary["settings"] = {"key": conf.key, "unit": conf.unit,
                                "include_special": conf.include_special,
-                               "self_similarity": conf.self_similarity}
+                               "self_similarity": conf.self_similarity,
+                               "cross_layer": conf.cross_layer}
     summary["count filter"] = f"{f.min_count} <= n_t" + (f" <= {f.max_count}" if f.max_count else "")
     if shown is not None:
         summary["layer of the per-layer figures"] = shown
     page = build_report(f"embgeom report: {pair.collection} / {pair.model}", summary,
                         snap.get("rows", []), snap.get("isotropy", []), drawn,
-                        report_links(pair, shown, f), isotropy_columns=REPORT_ISOTROPY_COLUMNS)
+                        report_links(pair, shown, f, cross_layer=conf is not None and conf.cross_layer),
+                        isotropy_columns=REPORT_ISOTROPY_COLUMNS, similarity=snap.get("similarity"))
     content = page.encode("utf-8")
     entries.append((what, (content, state.as_of(), shown)))
     _store(cache, read, reader, pairs, [snap], entries)

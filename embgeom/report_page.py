@@ -208,6 +208,26 @@ def _figure(name: str, content: Union[bytes, str, None]) -> str:
     return "".join(parts)
 
 
+def _similarity_section(similarity: Mapping[str, Any], figure: Union[bytes, str, None]) -> list[str]:
+    """The layer-by-layer CKA section: a note on what the numbers are, the heatmap, the matrix."""
+    layers = list(similarity.get("layers") or [])
+    n = _number(similarity.get("n"))
+    columns = [("layer", ("layer",), "int")] + [(str(l), (str(l),), "num") for l in layers]
+    rows = [{"layer": l, **{str(m): v for m, v in zip(layers, row)}}
+            for l, row in zip(layers, similarity.get("matrix") or [])]
+    return [
+        '<h2 id="cka-section">Layer-by-layer linear CKA</h2>',
+        "<p>Linear CKA (Kornblith et al. 2019) of every pair of kept layers, exact over all "
+        f'<span data-field="cka_n">{_value(n)}</span> occurrences ingested: it is computed from '
+        "the streamed co-moment of the concatenated layers, not from a sample or by averaging "
+        "minibatches. It is the usual (biased) estimator; its bias shrinks as 1/n, and n here is "
+        "every occurrence (the debiased estimator matters for a few thousand points, as in "
+        "<code>POST /v1/compare/global</code>'s <code>unbiased_cka</code>).</p>",
+        _figure("cka", figure),
+        _table("cka-table", "layer-by-layer linear CKA", columns, rows),
+    ]
+
+
 def _link(label: Any, href: Any) -> str:
     href = "" if href is None else str(href)
     lowered = href.strip().lower()
@@ -223,7 +243,8 @@ def build_report(title: str, summary: Mapping[str, Any], layer_rows: Sequence[Ma
                  isotropy_rows: Sequence[Mapping],
                  figures: Union[Mapping[str, Union[bytes, str, None]], Iterable[tuple[str, Any]]],
                  links: Iterable[tuple[str, str]],
-                 isotropy_columns: Sequence[tuple[str, tuple[str, ...], str]] = ISOTROPY_COLUMNS) -> str:
+                 isotropy_columns: Sequence[tuple[str, tuple[str, ...], str]] = ISOTROPY_COLUMNS,
+                 similarity: Optional[Mapping[str, Any]] = None) -> str:
     """One self-contained HTML5 page of a (collection, model) pair.
 
     Parameters
@@ -242,6 +263,10 @@ def build_report(title: str, summary: Mapping[str, Any], layer_rows: Sequence[Ma
         become links.
     isotropy_columns : the isotropy table's columns, :data:`ISOTROPY_COLUMNS` (or a
         selection of them) by default.
+    similarity : the ``.../similarity?metric=linear_cka`` answer (``layers``, ``matrix``,
+        ``n``) of a cross_layer collection, or None. Given, the page has a section of its
+        own: a note, the ``cka`` figure of ``figures`` (taken out of the figure list) and
+        the matrix as a table (``id="cka-table"``, a row per layer).
 
     Returns
     -------
@@ -251,6 +276,11 @@ def build_report(title: str, summary: Mapping[str, Any], layer_rows: Sequence[Ma
     as_of = summary.pop("as_of", None) or {}
     collection, model = summary.pop("collection", None), summary.pop("model", None)
     fig_items = list(figures.items()) if isinstance(figures, Mapping) else list(figures or [])
+    cka_section = []
+    if similarity is not None:
+        cka_figure = dict(fig_items).get("cka")
+        fig_items = [(name, content) for name, content in fig_items if name != "cka"]
+        cka_section = _similarity_section(similarity, cka_figure)
 
     header = [
         f"<h1>{_e(title)}</h1>",
@@ -269,6 +299,8 @@ def build_report(title: str, summary: Mapping[str, Any], layer_rows: Sequence[Ma
     nav = ['<nav><ul class="links">',
            '<li><a href="#layer-table-section">per-layer statistics</a></li>',
            '<li><a href="#isotropy-table-section">isotropy per layer</a></li>']
+    if cka_section:
+        nav.append('<li><a href="#cka-section">layer-by-layer CKA</a></li>')
     # "figure:" keeps the isotropy figure's entry apart from the isotropy table's.
     nav += [f'<li><a href="#{_e(name)}">figure: {_e(name)}</a></li>' for name, _ in fig_items]
     nav.append("</ul></nav>")
@@ -280,6 +312,7 @@ def build_report(title: str, summary: Mapping[str, Any], layer_rows: Sequence[Ma
         _table("layer-table", "per-layer statistics", LAYER_COLUMNS, layer_rows),
         '<h2 id="isotropy-table-section">Isotropy</h2>',
         _table("isotropy-table", "isotropy per layer", isotropy_columns, isotropy_rows),
+        *cka_section,
         '<h2 id="figures-section">Figures</h2>',
         *(_figure(str(name), content) for name, content in fig_items),
         '<h2 id="links-section">JSON endpoints</h2>',

@@ -22,8 +22,9 @@ from typing import Optional, Sequence
 import numpy as np
 
 from embgeom import diagnostics
+from embgeom.geometry.similarity import layer_cka
 from embgeom.compute.positions import canonical_token, is_word_key, lookup_key, token_markers
-from embgeom.errors import InvalidInput, NotFound
+from embgeom.errors import Conflict, InvalidInput, NotFound
 from embgeom.stats import (aligned_buckets, decomposition, decomposition_from_sums,
                            decomposition_from_totals, layer_summary)
 from embgeom.store.keys import PairKeys
@@ -325,6 +326,44 @@ def covariance(reader: Reader, pair: PairKeys, layer: int) -> Plan:
     """The layer's population covariance (d, d) over everything ingested, or None."""
     state, moments = yield from _layer_moments(reader, pair, layer, _transform(None))
     return None if moments is None else moments[1]
+
+
+SIMILARITY_METRICS = ("linear_cka", "rv")
+
+
+def require_cross_layer(pair: PairKeys, state: PairState) -> None:
+    """``cross_layer_not_kept`` (409) unless the pair keeps its cross-layer co-moment (an
+    empty pair, with no settings yet, passes: it answers an empty matrix)."""
+    if state.conf is not None and not state.conf.cross_layer:
+        raise Conflict("cross_layer_not_kept",
+                       f"collection {pair.collection!r} was created without cross_layer: it keeps "
+                       "no cross-layer moments (create a collection with {\"cross_layer\": true})",
+                       collection=pair.collection, model=pair.model)
+
+
+def layer_similarity(reader: Reader, pair: PairKeys, metric: str = "linear_cka") -> Plan:
+    """Layer-by-layer similarity over every occurrence ingested, from the streamed
+    cross-layer co-moment (:func:`embgeom.geometry.similarity.layer_cka`): ``{"layers",
+    "matrix" (L x L, nan as null), "n", "metric", "as_of"}``. ``rv`` (Escoufier's RV
+    coefficient of the centred layers) is the same number as linear CKA. A collection
+    made without ``cross_layer`` answers ``cross_layer_not_kept`` (409)."""
+    if metric not in SIMILARITY_METRICS:
+        raise InvalidInput(f"metric must be one of {', '.join(SIMILARITY_METRICS)}",
+                           type="invalid_metric", metric=metric)
+    state = yield from reader.pair_state(pair)
+    out = {"metric": metric, "layers": [], "matrix": [], "n": 0, "as_of": state.as_of()}
+    if state.empty:
+        return out
+    conf = state.conf
+    require_cross_layer(pair, state)
+    cross = yield from reader.cross_layer(state)
+    out.update({"layers": list(conf.layers), "n": int(cross["n"])})
+    if cross["n"] == 0:
+        out["matrix"] = [[None] * conf.L for _ in range(conf.L)]
+        return out
+    M = layer_cka(cross["comoment"], conf.L)
+    out["matrix"] = [[_none_if_nan(v) for v in row] for row in M]
+    return out
 
 
 UNAVAILABLE_UNDER_TRANSFORM = (

@@ -72,12 +72,33 @@ def _float(x):
     return np.asarray(x, dtype=np.float64)
 
 
+def _weights(n_a, n_b):
+    """``(n, na nb / n, nb / n)``: Python ints (the store's counts) stay exact until the one
+    division; arrays and tensors in float64, an empty merge dividing by 1, not 0."""
+    if isinstance(n_a, int) and isinstance(n_b, int):
+        n = n_a + n_b
+        return n, (n_a * n_b / n if n else 0.0), (n_b / n if n else 0.0)
+    n_a, n_b = _float(n_a), _float(n_b)
+    n = n_a + n_b
+    safe_n = n + (n == 0)
+    return n, n_a * n_b / safe_n, n_b / safe_n
+
+
+def _last_axis(w):
+    """A per-row weight broadcast over the last (dimension) axis."""
+    return w if isinstance(w, float) else w[..., None]
+
+
 def chan_merge(n_a, mean_a, m2_a, n_b, mean_b, m2_b, inplace: bool = False):
     """Merge two moment states ``(n, mean, m2)`` (Chan et al.), vectorised over rows.
 
+    The project's one Chan merge: the worker's device window (torch), the store's head
+    segments and the geometry's blocked Pearson all call it.
+
     Parameters
     ----------
-    n_a, n_b : arrays of shape (...,), counts (an empty part has n = 0).
+    n_a, n_b : arrays of shape (...,), counts (an empty part has n = 0), or Python ints
+        (then ``na nb / n`` is formed exactly before its one rounding).
     mean_a, mean_b : arrays of shape (..., d), float64 means.
     m2_a, m2_b : arrays of shape (...,), float64 ``sum ||x - mean||^2``.
 
@@ -97,12 +118,10 @@ def chan_merge(n_a, mean_a, m2_a, n_b, mean_b, m2_b, inplace: bool = False):
     ``n = na + nb; delta = mb - ma; mean = ma + delta nb / n;
     m2 = m2a + m2b + ||delta||^2 na nb / n``. A side with n = 0 contributes nothing.
     """
-    n_a, n_b = _float(n_a), _float(n_b)
-    n = n_a + n_b
-    safe_n = n + (n == 0)  # an empty merge divides by 1, not 0
+    n, f, w = _weights(n_a, n_b)
     delta = mean_b - mean_a
-    cross = (delta * delta).sum(-1) * (n_a * n_b / safe_n)
-    delta *= (n_b / safe_n)[..., None]
+    cross = (delta * delta).sum(-1) * f
+    delta *= _last_axis(w)
     if inplace:
         mean_a += delta
         m2_a += m2_b
@@ -111,27 +130,31 @@ def chan_merge(n_a, mean_a, m2_a, n_b, mean_b, m2_b, inplace: bool = False):
     return n, mean_a + delta, m2_a + m2_b + cross, cross
 
 
-def chan_merge_comoment(n_a, mean_a, c_a, n_b, mean_b, c_b):
+def chan_merge_comoment(n_a, mean_a, c_a, n_b, mean_b, c_b, index=None):
     """Merge two co-moment matrices ``C = sum (x - mean)(x - mean)^T``, batched over layers.
 
     Parameters
     ----------
-    n_a, n_b : float, counts (the same for every layer).
+    n_a, n_b : float or int, counts (the same for every layer).
     mean_a, mean_b : arrays of shape (..., d), float64.
-    c_a, c_b : arrays of shape (..., d, d), float64 (or any column block of them, with
-        ``mean`` the full mean and ``cols`` selecting nothing: see the store's chunks).
+    c_a, c_b : arrays of shape (..., d, d), float64; or, with ``index``, of shape
+        (..., m): the entries ``C[rows, cols]`` only (the store's upper-triangular chunks).
+    index : None, or ``(rows, cols)``, integer arrays of shape (m,).
 
     Returns
     -------
-    array of shape (..., d, d): ``C = Ca + Cb + (na nb / n) delta delta^T``,
-    ``delta = mb - ma``. The covariance (population) is ``C / n``; ``trace(C)`` is the
-    m2 of :func:`chan_merge`.
+    array of c_a's shape: ``C = Ca + Cb + (na nb / n) delta delta^T``,
+    ``delta = mb - ma`` (restricted to ``index``). The covariance (population) is
+    ``C / n``; ``trace(C)`` is the m2 of :func:`chan_merge`; the merged mean is
+    :func:`chan_merge`'s.
     """
-    n = n_a + n_b
-    if n == 0:
-        return c_a + c_b
+    n, f, _ = _weights(n_a, n_b)
     delta = mean_b - mean_a
-    return c_a + c_b + delta[..., :, None] * delta[..., None, :] * (n_a * n_b / n)
+    if index is None:
+        outer = delta[..., :, None] * delta[..., None, :]
+    else:
+        outer = delta[..., index[0]] * delta[..., index[1]]
+    return c_a + c_b + outer * f
 
 
 @dataclass
@@ -181,6 +204,10 @@ class LayerMoments:
         its trace is ``m2`` and ``comoment / n`` the population covariance.
     unit_sum : ndarray of shape (L, d), float64, ``U = sum x / ||x||``.
     unit_sq_sum : ndarray of shape (L, d), float64, ``sum (x_i / ||x||)^2`` per dimension.
+    cross : ndarray of shape (L d, L d), float64, or None: the co-moment of the
+        concatenation ``[x_1, ..., x_L]`` of an embedding's kept layers (its mean is
+        ``mean.reshape(-1)``); block (i, j) is ``sum (x_i - mean_i)(x_j - mean_j)^T``, the
+        diagonal blocks are ``comoment``. Kept only by ``cross_layer`` collections.
     """
 
     n: int
@@ -188,6 +215,7 @@ class LayerMoments:
     comoment: np.ndarray
     unit_sum: np.ndarray
     unit_sq_sum: np.ndarray
+    cross: Optional[np.ndarray] = None
 
     @classmethod
     def empty(cls, num_layers: int, dim: int) -> "LayerMoments":
@@ -206,17 +234,19 @@ class LayerMoments:
 
     def merged(self, other: "LayerMoments") -> "LayerMoments":
         """Return the exact union of two disjoint sets of embeddings (Chan merge)."""
-        n = self.n + other.n
-        if n == 0:
+        if self.n + other.n == 0:
             return self
-        delta = other.mean - self.mean
+        n, mean, _, _ = chan_merge(self.n, self.mean, 0.0, other.n, other.mean, 0.0)
         return LayerMoments(
             n=n,
-            mean=self.mean + delta * (other.n / n),
+            mean=mean,
             comoment=chan_merge_comoment(self.n, self.mean, self.comoment,
                                          other.n, other.mean, other.comoment),
             unit_sum=self.unit_sum + other.unit_sum,
             unit_sq_sum=self.unit_sq_sum + other.unit_sq_sum,
+            cross=None if self.cross is None or other.cross is None else chan_merge_comoment(
+                self.n, self.mean.reshape(-1), self.cross, other.n, other.mean.reshape(-1),
+                other.cross),
         )
 
 

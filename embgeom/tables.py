@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = ["TABLE_COLUMNS", "ISOTROPY_COLUMNS", "to_frame", "format_table", "isotropy_rows"]
+__all__ = ["TABLE_COLUMNS", "ISOTROPY_COLUMNS", "to_frame", "square_frame", "format_table", "isotropy_rows"]
 
 # Column of the printed table -> field of a /layers row.
 TABLE_COLUMNS = {
@@ -30,15 +30,32 @@ ISOTROPY_COLUMNS = {
 }
 
 
-def to_frame(rows: Sequence[Mapping], attrs: Optional[Mapping[str, Any]] = None) -> "pd.DataFrame":
-    """A DataFrame with one row per item of ``rows`` and one column per field, values as
-    the JSON gave them (a null is NaN in a float column, None otherwise); ``attrs`` (the
-    rest of the answer: ``as_of``, the filters) go into ``DataFrame.attrs``."""
+def _pandas():
     try:
         import pandas as pd
     except ImportError as exc:  # pragma: no cover - the message is the point
         raise ImportError("as_frame=True needs pandas: pip install 'embgeom[notebook]'") from exc
+    return pd
+
+
+def to_frame(rows: Sequence[Mapping], attrs: Optional[Mapping[str, Any]] = None) -> "pd.DataFrame":
+    """A DataFrame with one row per item of ``rows`` and one column per field, values as
+    the JSON gave them (a null is NaN in a float column, None otherwise); ``attrs`` (the
+    rest of the answer: ``as_of``, the filters) go into ``DataFrame.attrs``."""
+    pd = _pandas()
     frame = pd.DataFrame.from_records(list(rows))
+    frame.attrs.update(attrs or {})
+    return frame
+
+
+def square_frame(labels: Sequence, matrix: Sequence[Sequence], attrs: Optional[Mapping[str, Any]] = None,
+                 name: str = "layer") -> "pd.DataFrame":
+    """An L x L matrix (the ``.../similarity`` answer's) as a float DataFrame whose index and
+    columns are ``labels`` (both named ``name``); a null is NaN; ``attrs`` as :func:`to_frame`'s."""
+    pd = _pandas()
+    index = pd.Index(list(labels), name=name)
+    frame = pd.DataFrame([[float("nan") if v is None else v for v in row] for row in matrix],
+                         index=index, columns=index.copy(), dtype="float64")
     frame.attrs.update(attrs or {})
     return frame
 

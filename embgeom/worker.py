@@ -365,7 +365,8 @@ class Worker:
             conf.L, conf.d, conf.self_similarity, self.FIRST_WINDOW_BYTES))
         rows = self._window_rows.get(shape, first)
         return WindowAccumulator(conf.L, conf.d, conf.self_similarity, device,
-                                 capacity=min(rows, max_rows), max_capacity=max_rows)
+                                 capacity=min(rows, max_rows), max_capacity=max_rows,
+                                 cross_layer=conf.cross_layer)
 
     def _remember_window(self, acc: WindowAccumulator) -> None:
         """Note the rows a closing window reached, for the next one of its shape (a

@@ -129,8 +129,10 @@ def ensure_collection(client: EmbgeomClient, collection: str) -> dict:
 
 
 def ingest(client: EmbgeomClient, collection: str, model: str, texts: list[str],
-           texts_per_job: int, corpus_sha: str, budget: float | None = None, ahead: int = 3) -> dict:
-    """Submit ``texts`` in jobs (include_special, as the preset says) and wait for them.
+           texts_per_job: int, corpus_sha: str, budget: float | None = None, ahead: int = 3,
+           include_special: bool = True) -> dict:
+    """Submit ``texts`` in jobs (``include_special`` as the collection says: the paper
+    preset counts special tokens) and wait for them.
 
     With ``budget`` (seconds), jobs are submitted ``ahead`` at a time and no new one after
     ``budget`` seconds: the jobs in flight finish, and what was ingested is the prefix of
@@ -145,8 +147,9 @@ def ingest(client: EmbgeomClient, collection: str, model: str, texts: list[str],
 
     def submit(i: int) -> None:
         chunk = chunks[i]
-        job_id = client.submit(chunk, collection, model, include_special=True,
-                               idempotency_key=idempotency_key(collection, model, True, corpus_sha, i, chunk))
+        job_id = client.submit(chunk, collection, model, include_special=include_special,
+                               idempotency_key=idempotency_key(collection, model, include_special, corpus_sha,
+                                                               i, chunk))
         ids.append(job_id)
         pending.append(job_id)
 

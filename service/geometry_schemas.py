@@ -1,6 +1,6 @@
 """Request and response bodies of the cross-model geometry endpoints (service/routes/geometry.py).
 
-What each number means is in :mod:`embgeom.spaces` and :mod:`embgeom.geometry`; the field
+What each number means is in :mod:`embgeom.geometry.service` and :mod:`embgeom.geometry`; the field
 descriptions here are the short form.
 """
 
@@ -10,7 +10,7 @@ from typing import Annotated, Literal, Optional, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
 
-from embgeom.spaces import Space
+from embgeom.geometry.service import Space
 from embgeom.store import keys as K
 from service.schemas import MAX_INT, AsOf, RequestBody
 
@@ -76,6 +76,8 @@ class GlobalRequest(RequestBody):
     min_count: MinCount = 5
     sample: Sample = None
     seed: Seed = 0
+    k: int = Field(10, ge=1, le=MAX_INT, description="Neighbours per token (mutual_knn, cknna; "
+                                                     "LLE)")
 
 
 class GlobalScores(BaseModel):
@@ -85,10 +87,21 @@ class GlobalScores(BaseModel):
     procrustes_residual: Optional[float] = Field(
         description="min over orthogonal R of ||A_n R - B_n||_F^2 (centred, unit Frobenius "
                     "norm, narrower space zero-padded): 0 = same shape, at most 2")
+    unbiased_cka: Optional[float] = Field(
+        description="Linear CKA with the debiased HSIC (Song et al. 2012): about 0 for unrelated "
+                    "spaces even when tokens are few against dimensions")
+    mutual_knn: Optional[float] = Field(
+        description="Mean share of each token's k nearest tokens (cosine) common to both spaces "
+                    "(Huh et al. 2024)")
+    cknna: Optional[float] = Field(
+        description="Debiased CKA of the cosine kernels restricted to mutual k-nearest "
+                    "neighbours (Huh et al. 2024)")
 
 
 class GlobalSimilarity(_Compared, GlobalScores):
     pairs: int = Field(description="Cosine pairs compared, m (m - 1) / 2")
+    k: int = Field(description="Neighbours per token of mutual_knn and cknna")
+    chance_mutual_knn: float = Field(description="k / (m - 1), mutual_knn of unrelated spaces")
     baseline: GlobalScores = Field(description="The same with b's rows shuffled (seeded)")
 
 

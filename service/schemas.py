@@ -218,6 +218,9 @@ class CollectionSettingsIn(RequestBody):
         None, min_length=1, description="hidden_states indices to keep (0 = embedding output); null keeps all")
     self_similarity: bool = Field(
         True, description="Keep per-token unit-vector sums (half of the per-token bytes)")
+    cross_layer: bool = Field(
+        False, description="Keep the co-moment of all kept layers concatenated: the exact "
+                           "layer-by-layer CKA (.../similarity); L d x L d floats per pair")
 
 
 class CollectionSettingsOut(BaseModel):
@@ -227,6 +230,7 @@ class CollectionSettingsOut(BaseModel):
     layers: Optional[list[int]]
     self_similarity: bool
     preset: Optional[str]
+    cross_layer: bool = False
 
 
 class CollectionInfo(BaseModel):
@@ -372,6 +376,16 @@ class ModelOutliers(BaseModel):
     transform: str
     layers: list[LayerOutliers]
     persistent: list[PersistentDimension]
+    as_of: Optional[AsOf]
+
+
+class LayerSimilarity(BaseModel):
+    metric: Literal["linear_cka", "rv"]
+    layers: list[int] = Field(description="hidden_states indices, the rows and columns of matrix")
+    matrix: list[list[Optional[float]]] = Field(
+        description="matrix[i][j] = ||C_ij||_F^2 / (||C_ii||_F ||C_jj||_F), C_ij the centred "
+                    "cross-moment of layers i and j over every occurrence (rv: the same number)")
+    n: int = Field(description="Occurrences counted (embeddings per layer)")
     as_of: Optional[AsOf]
 
 

@@ -79,6 +79,9 @@ def test_table_marks_targets_met_and_missed():
     text = run.table(res)
     assert "e2e_cpu.ratio" in text and "met" in text
     assert "reads.token_p99_ms_32" in text and "MISSED" in text
+    xl = run.table({"cross_layer": {"tok_s_off": 2000.0, "tok_s_on": 1500.0, "ratio": 0.75}})
+    assert [line.split()[:2] for line in xl.splitlines()] == [
+        ["cross_layer.tok_s_off", "2,000"], ["cross_layer.tok_s_on", "1,500"], ["cross_layer.ratio", "0.750"]]
 
 
 def test_dense_shapes_are_what_the_design_quotes():

@@ -97,7 +97,7 @@ def test_every_documented_operation_has_a_client_method():
         next(calls.tokens("c", "m", 1)), calls.neighbors("c", "m", 1, 7),
         calls.isotropy("c", "m", 1), calls.isotropy_sample("c", "m", 1, ["x"]),
         calls.outliers("c", "m", 1), calls.model_outliers("c", "m"),
-        calls.intrinsic_dimension("c", "m", 1), calls.outlier_probe("m", 1, ["x", "y"], [0, 1]),
+        calls.intrinsic_dimension("c", "m", 1), calls.similarity("c", "m"), calls.outlier_probe("m", 1, ["x", "y"], [0, 1]),
         calls.compare_global(space, ("c", "minilm", "input")), calls.compare_lle(space, space),
         calls.steering_transfer(space, space, vector=[1.0]),
         calls.figure("c", "m", "layer_summary"), calls.layer_figure("c", "m", 1),
@@ -195,11 +195,29 @@ def test_notebook_session_frames_figures_and_errors(ingested):
                 "b": {"collection": "nb", "model": "minilm", "layer": 4}, "min_count": 2}
         assert client.compare_global("nb:minilm:2", ("nb", "minilm", 4), min_count=2) == \
             raw.post("/v1/compare/global", json=pair).json()
+        near5 = client.compare_global("nb:minilm:2", ("nb", "minilm", 4), min_count=2, k=5)
+        assert near5 == raw.post("/v1/compare/global", json={**pair, "k": 5}).json() and near5["k"] == 5
         assert client.compare_lle("nb:minilm:2", "nb:minilm:4", min_count=2, k=5) == \
             raw.post("/v1/compare/lle", json={**pair, "k": 5}).json()
         vector = [1.0] + [0.0] * 383
         assert client.steering_transfer("nb:minilm:2", "nb:minilm:4", vector=vector, min_count=2) == \
             raw.post("/v1/steering/transfer", json={**pair, "vector": vector}).json()
+
+        # layer-by-layer CKA: a cross_layer collection's matrix as a frame indexed by layer;
+        # "nb" keeps no cross-layer moments (409 with the service's type)
+        made = client.create_collection("nb-cka", cross_layer=True)
+        assert made["settings"]["cross_layer"] is True and made["created"] is True
+        client.wait([client.submit(texts[:5], "nb-cka", "minilm")], timeout=300)
+        sim = raw.get("/v1/collections/nb-cka/models/minilm/similarity").json()
+        assert client.similarity("nb-cka", "minilm") == sim and sim["n"] > 0
+        square = client.similarity("nb-cka", "minilm", metric="rv", as_frame=True)
+        assert list(square.index) == list(square.columns) == sim["layers"] == list(range(7))
+        assert square.index.name == "layer" and square.attrs["metric"] == "rv"
+        assert square.to_numpy().tolist() == sim["matrix"]  # rv is linear CKA, the same numbers
+        assert square.attrs["n"] == sim["n"] and square.attrs["as_of"] == sim["as_of"]
+        with pytest.raises(ApiError) as refused:
+            client.similarity("nb", "minilm")
+        assert (refused.value.status, refused.value.type) == (409, "cross_layer_not_kept")
 
         # figures display inline: a PNG that decodes, an SVG that parses
         figure = client.figure("nb", "minilm", "layer_summary")

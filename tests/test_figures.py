@@ -156,6 +156,16 @@ CASES = {
         "all_zero": dict(eigenvalues=[0.0, 0.0, -1e-15], layer=0, model="m"),
         "empty": dict(eigenvalues=None, layer=0, model="m"),
     },
+    "cka": {
+        "data": dict(result={"layers": [0, 1, 2, 3], "n": 1234, "matrix": [
+            [1.0, 0.8, 0.5, 0.3], [0.8, 1.0, 0.7, 0.4], [0.5, 0.7, 1.0, 0.9], [0.3, 0.4, 0.9, 1.0]]},
+            model="minilm"),
+        "undefined_layer": dict(result={"layers": [0, 5], "n": 3, "matrix": [[None, None], [None, 1.0]]},
+                                model="m"),
+        "no_occurrences": dict(result={"layers": [0, 1], "n": 0, "matrix": [[None, None], [None, None]]},
+                               model="m"),
+        "not_kept": dict(result=None, model="m"),
+    },
 }
 
 ALL_CASES = [(name, case) for name, cases in CASES.items() for case in cases]
@@ -184,7 +194,7 @@ def _check_svg(data: bytes, name: str) -> ET.Element:
 
 def test_figures_names_the_public_functions():
     assert set(F.FIGURES) == {"vm_scatter", "layer_summary", "decomposition", "within_ratio",
-                              "frequency", "isotropy", "outliers", "spectrum"}
+                              "frequency", "isotropy", "outliers", "spectrum", "cka"}
     assert set(F.FIGURES) == set(F.SIZES) == set(CASES)
     for name in F.FIGURES:
         assert callable(getattr(F, name)) and getattr(F, name).__doc__

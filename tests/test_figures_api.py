@@ -10,6 +10,7 @@ and a new checkpoint makes the next one draw again.
 from __future__ import annotations
 
 import io
+import re
 import xml.etree.ElementTree as ET
 from typing import Iterator
 
@@ -49,6 +50,9 @@ def service(tmp_path_factory) -> Iterator[tuple[TestClient, str]]:
     settings = settings_for(server.url, checkpoint_seconds=0.2)
     try:
         with WorkerThread(settings), TestClient(create_app(settings)) as client:
+            # cross_layer: the page's CKA section and the cka figure have data (figs-sub has not)
+            r = client.put("/v1/collections/figs", json={"cross_layer": True})
+            assert r.status_code == 201, r.text
             post(client, "figs", TEXTS[:60])
             yield client, server.url
     finally:
@@ -156,6 +160,28 @@ def test_a_layer_the_collection_does_not_keep_is_404(service):
     check_image(client.get(f"{base}/figures/spectrum", params={"layer": 3}), "png", "spectrum")
     page = client.get(f"{base}/report")
     assert page.status_code == 200 and page.headers["x-embgeom-layer"] == "3"  # the middle kept layer
+    # Without cross_layer: the cka figure is the JSON endpoint's 409, and the page has no CKA
+    # section, no cka image and no link that would answer 409.
+    error(client.get(f"{base}/figures/cka"), 409, "cross_layer_not_kept")
+    error(client.get(f"{base}/similarity"), 409, "cross_layer_not_kept")
+    assert b'data-figure="cka"' not in page.content and b'id="cka-section"' not in page.content
+    assert b"/similarity" not in page.content and b"/figures/cka" not in page.content
+    assert page.content.count(b"<img data-figure=") == len(figures.FIGURES) - 1
+
+
+def test_the_report_page_has_a_cka_section_with_the_json_matrix(service):
+    """A cross_layer collection's page: the heatmap and the matrix of .../similarity, exactly
+    (each cell's data-value is the JSON number's repr)."""
+    client, _ = service
+    sim = client.get(f"{BASE}/similarity").json()
+    page = client.get(f"{BASE}/report").text
+    section = page[page.index('id="cka-section"'):page.index('id="links-section"')]
+    assert 'data-figure="cka"' in section and 'src="data:image/png;base64,' in section
+    assert f'data-field="cka_n"><span data-value="{sim["n"]}">' in section and sim["n"] > 0
+    cells = [float(v) for v in re.findall(r'data-column="\d+" data-value="([^"]*)"', section)]
+    assert cells == [v for row in sim["matrix"] for v in row] and len(cells) == len(sim["layers"]) ** 2 == 49
+    assert page.count('data-figure="cka"') == 1  # in its section, not again among the figures
+    assert f"{BASE}/similarity?metric=linear_cka" in page and f"{BASE}/figures/cka?format=svg" in page
 
 
 def test_a_second_request_is_a_cache_hit_and_a_checkpoint_draws_again(service):

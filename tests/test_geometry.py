@@ -135,7 +135,7 @@ def test_blocked_pearson_equals_dense_corrcoef(block_rows):
     B = A @ rng.normal(size=(6, 9)) + rng.normal(size=(57, 9))
     expected = np.corrcoef(_upper(geo.cosine_matrix(A)), _upper(geo.cosine_matrix(B)))[0, 1]
     ua, ub = A / np.linalg.norm(A, axis=1)[:, None], B / np.linalg.norm(B, axis=1)[:, None]
-    assert geo._pearson_offdiag(ua, ub, block_rows) == pytest.approx(expected, abs=1e-10)
+    assert geo.similarity._pearson_offdiag(ua, ub, block_rows) == pytest.approx(expected, abs=1e-10)
 
 
 def test_pearson_sample_is_seeded_and_bounded():
@@ -149,7 +149,7 @@ def test_pearson_sample_is_seeded_and_bounded():
     assert geo.pearson_cosine(A, B, sample=100, seed=1) == s1
     assert geo.pearson_cosine(A, B, sample=100, seed=2) != s1
     # the sampled value is the full computation on 100 rows
-    rows = geo._sample_rows(300, 100, 1)
+    rows = geo.similarity._sample_rows(300, 100, 1)
     assert rows.size == 100 and np.unique(rows).size == 100
     assert s1 == pytest.approx(geo.pearson_cosine(A[rows], B[rows]), abs=1e-12)
     # more rows than the cap need a sample; the dense matrix is refused outright

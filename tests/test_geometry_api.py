@@ -22,7 +22,8 @@ import redis
 from fastapi.testclient import TestClient
 
 from embgeom.corpora import bbc_articles, bbc_texts
-from embgeom.spaces import match_tokens, select_rows, GeometryCache
+from embgeom.geometry.matching import match_tokens, select_rows
+from embgeom.geometry.service import GeometryCache
 from embgeom.errors import InvalidInput
 from embgeom.store.keys import PairKeys
 from embgeom.store.reader import Reader, run_sync

@@ -1,4 +1,4 @@
-"""The geometry figures' data (embgeom.geometry_figures, embgeom.spaces.sample_pairs,
+"""The geometry figures' data (embgeom.figures.geometry, embgeom.geometry.matching.sample_pairs,
 embgeom.geometry.lle_transfer_rows) on synthetic spaces: what each panel plots is the
 input, every token or pair once, and the numbers shown are the answer's. The figures
 through HTTP, on real models, are in tests/test_geometry_api.py."""
@@ -12,8 +12,9 @@ import pytest
 from matplotlib.collections import PolyCollection
 from matplotlib.patches import Rectangle
 
-from embgeom import geometry, geometry_figures as gf
-from embgeom.spaces import sample_pairs
+from embgeom import geometry
+from embgeom.figures import geometry as gf
+from embgeom.geometry.matching import sample_pairs
 
 A_SPACE = {"collection": "c", "model": "m$1", "layer": 3}
 B_SPACE = {"collection": "c", "model": "other", "layer": "input"}

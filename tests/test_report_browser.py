@@ -5,7 +5,8 @@ worker) that ingested 100 BBC paragraphs with MiniLM.
 The page must render with no console error, every figure ``<img>`` must load
 (``naturalWidth > 0``), and every number on the page (each ``data-value``) must equal the
 JSON endpoints' value exactly (``.../layers`` for the per-layer table and ``as_of``,
-``.../layers/{l}/isotropy`` for the isotropy table). A full-page screenshot is kept under
+``.../layers/{l}/isotropy`` for the isotropy table, ``.../similarity`` for the CKA section of
+this ``cross_layer`` collection). A full-page screenshot is kept under
 the test's tmp folder; with ``EMBGEOM_UPDATE_DOCS=1`` it is also copied to
 ``docs/report.png`` (the README's), which a plain test run never touches.
 
@@ -98,6 +99,8 @@ def test_report_page_renders_in_chromium_and_its_numbers_equal_the_json(embedded
     url, _ = embedded_service
     base = f"{url}/v1/collections/browser/models/minilm"
     with httpx.Client(base_url=url, timeout=120) as client:
+        # cross_layer: the page has its CKA section (heatmap and matrix), and its links answer
+        assert client.put("/v1/collections/browser", json={"cross_layer": True}).status_code == 201
         r = client.post("/v1/jobs", json={"collection": "browser", "model": "minilm", "texts": TEXTS})
         assert r.status_code == 202, r.text
         (status,) = wait_for_jobs(client, [r.json()["job_id"]], timeout=300)
@@ -105,6 +108,7 @@ def test_report_page_renders_in_chromium_and_its_numbers_equal_the_json(embedded
         layers = client.get(f"{base}/layers").json()
         isotropy = {row["layer"]: client.get(f"{base}/layers/{row['layer']}/isotropy").json()
                     for row in layers["layers"]}
+        similarity = client.get(f"{base}/similarity").json()
         head = client.get(f"{base}/report")
         assert head.status_code == 200, head.text
         shown = int(head.headers["x-embgeom-layer"])
@@ -121,7 +125,8 @@ def test_report_page_renders_in_chromium_and_its_numbers_equal_the_json(embedded
     images = browser.execute_script(
         "return Array.from(document.querySelectorAll('img[data-figure]')).map(i => "
         "[i.dataset.figure, i.complete, i.naturalWidth, i.naturalHeight]);")
-    assert [name for name, *_ in images] == list(figures.FIGURES)
+    # The CKA heatmap first, in its section; then the other figures in their order.
+    assert [name for name, *_ in images] == ["cka"] + [n for n in figures.FIGURES if n != "cka"]
     for name, complete, width, height in images:
         w, h = figures.SIZES[name]
         assert complete and (width, height) == (round(w * figures.DPI), round(h * figures.DPI)), name
@@ -136,12 +141,18 @@ def test_report_page_renders_in_chromium_and_its_numbers_equal_the_json(embedded
         });""")
     columns = {"types": "num_types"}
     by_layer = {str(row["layer"]): row for row in layers["layers"]}
-    checked = {"layer-table": 0, "isotropy-table": 0, "header": 0}
+    checked = {"layer-table": 0, "isotropy-table": 0, "cka-table": 0, "header": 0}
+    cka = {(str(i), str(j)): v for i, row in zip(similarity["layers"], similarity["matrix"])
+           for j, v in zip(similarity["layers"], row)}
     for v in values:
         if v["table"] == "layer-table":
             want = by_layer[v["layer"]][columns.get(v["column"], v["column"])]
         elif v["table"] == "isotropy-table":
             want = isotropy[int(v["layer"])][v["column"]]
+        elif v["table"] == "cka-table":
+            want = int(v["layer"]) if v["column"] == "layer" else cka[(v["layer"], v["column"])]
+        elif v["field"] == "cka_n":
+            want = similarity["n"]
         elif v["field"] == "as_of":
             continue  # below
         elif v["field"] == "layer of the per-layer figures":
@@ -153,7 +164,8 @@ def test_report_page_renders_in_chromium_and_its_numbers_equal_the_json(embedded
     num_layers = len(layers["layers"])
     assert checked["layer-table"] == num_layers * 14
     assert checked["isotropy-table"] == num_layers * 7
-    assert checked["header"] == 1
+    assert checked["cka-table"] == num_layers * (num_layers + 1)
+    assert checked["header"] == 2  # the layer shown and the CKA section's n
     version, updated_at = (v["value"] for v in values if v["field"] == "as_of")
     assert exact(version, layers["as_of"]["version"]) and exact(updated_at, layers["as_of"]["updated_at"])
 
@@ -162,7 +174,8 @@ def test_report_page_renders_in_chromium_and_its_numbers_equal_the_json(embedded
         "return Array.from(document.querySelectorAll('nav a')).map(a => "
         "[a.textContent, !!document.getElementById(a.getAttribute('href').slice(1))]);")
     labels = [label for label, _ in toc]
-    assert len(labels) == len(set(labels)) == 2 + len(figures.FIGURES), labels
+    # per-layer, isotropy and CKA sections, and the figures but cka (in the CKA section)
+    assert len(labels) == len(set(labels)) == 3 + len(figures.FIGURES) - 1, labels
     assert all(found for _, found in toc), toc
 
     # The links to the JSON endpoints answer.

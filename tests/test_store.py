@@ -218,6 +218,39 @@ def test_layer_segments_fold_without_changing_a_value(r):
     assert_matches(r, pair, reference(np.concatenate(all_k), np.concatenate(all_x)))
 
 
+def test_cross_layer_segments_fold_and_read_as_a_two_pass(r):
+    """A cross_layer pair's (L D x L D) co-moment goes through the same segments, folds and
+    merges as a layer's co-moment: read back, it is the two-pass co-moment of the
+    concatenated layers; its diagonal blocks are the per-layer co-moments."""
+    pair = K.PairKeys("x", "m")
+    conf = Collections(r).ensure_conf(pair, PairConf.resolve(
+        CollectionSettings(cross_layer=True), 0, L, D, 10**9, 4, 300))
+    assert conf.cross_layer and len(conf.cross_chunks) > 2  # several chunks exercised
+    rng = np.random.default_rng(5)
+    cpr = Checkpointer(r, "w", max_segments=2)
+    all_x, folded = [], 0
+    for _ in range(5):
+        keys = rng.integers(0, 20, size=30)
+        x, tok, lay = points_window(rng, keys, offset=40.0)
+        flat = x.reshape(len(keys), -1)
+        lay.cross = np.einsum("mi,mj->ij", flat - flat.mean(0), flat - flat.mean(0))
+        all_x.append(flat)
+        folded += checkpoint(r, pair, conf, tok, lay, held_jobs(r, pair, 1), cpr=cpr)[1].folded
+    assert folded > 0
+    X = np.concatenate(all_x)
+    want = np.einsum("mi,mj->ij", X - X.mean(0), X - X.mean(0))
+    rd = Reader()
+    state = run_sync(r, rd.pair_state(pair))
+    got = run_sync(r, rd.cross_layer(state))
+    assert got["n"] == X.shape[0]
+    # Chan merges of exact window moments: relative rounding ~ windows x eps x offset^2 / var
+    np.testing.assert_allclose(got["comoment"], want, rtol=0, atol=1e-9 * np.abs(want).max())
+    np.testing.assert_allclose(got["mean"], X.mean(0), rtol=1e-12)
+    per_layer = run_sync(r, rd.covariance(state, 1))["comoment"]
+    np.testing.assert_allclose(got["comoment"][D:2 * D, D:2 * D], per_layer, rtol=0,
+                               atol=1e-9 * np.abs(per_layer).max())
+
+
 class Crash(Exception):
     pass
 

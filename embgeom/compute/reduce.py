@@ -48,10 +48,12 @@ _SAFE = (1e-15, 1e15)
 class ComomentSink(Protocol):
     """Where a batch's co-moment goes: ``shift`` (L, d) float64 (None before the first
     batch: the reduction sets it to that batch's mean) and ``A`` (L, d, d) float64,
-    ``sum (x - shift)(x - shift)^T``."""
+    ``sum (x - shift)(x - shift)^T``; ``cross`` (L d, L d) float64 or None, the same
+    over the concatenated layers."""
 
     shift: Optional[torch.Tensor]
     A: torch.Tensor
+    cross: Optional[torch.Tensor]
 
 
 def _gemm_into(x: torch.Tensor, out: torch.Tensor) -> None:
@@ -106,7 +108,9 @@ def reduce_batch(hidden_states: Sequence[torch.Tensor], layers: Sequence[int], k
     self_similarity : also sum unit vectors per token.
     precision : "fp32" or "fp64", the arithmetic of the sums (results are float64).
     comoment : a :class:`ComomentSink`: the co-moment is added into it (and the returned
-        ``LayerMoments.comoment`` is None); without one, it is returned.
+        ``LayerMoments.comoment`` is None); without one, it is returned. A sink whose
+        ``cross`` is a tensor also gets the co-moment of the concatenated layers (one GEMM
+        of width L d after the layer groups, on the same centred data).
 
     Returns
     -------
@@ -145,6 +149,8 @@ def reduce_batch(hidden_states: Sequence[torch.Tensor], layers: Sequence[int], k
     # the first occurrence of each token: its representative r_t
     first = torch.full((k,), N, dtype=torch.long, device=device).scatter_reduce_(
         0, inverse, torch.arange(N, device=device), reduce="amin")  # each token's first row
+    cross = getattr(comoment, "cross", None)
+    centred = [] if cross is not None else None  # each group's x - s, for the cross GEMM
     for g0 in range(0, L, group):
         sel = slice(g0, min(L, g0 + group))
         x = torch.stack([hidden_states[layer][counted] for layer in layers[sel]], dim=1).to(work)
@@ -191,11 +197,17 @@ def reduce_batch(hidden_states: Sequence[torch.Tensor], layers: Sequence[int], k
         lay_mean[sel] = centre + xbar
         if comoment is not None:
             _gemm_into(xc, comoment.A[sel])                      # sum (x - s)(x - s)^T
+            if centred is not None:
+                centred.append(xc.reshape(N, G * d))
         else:
             # About c, then moved to the batch mean: C = sum (x-c)(x-c)^T - N xbar xbar^T.
             block = torch.zeros((G, d, d), dtype=F64, device=device)
             _gemm_into(xc, block)
             lay_com[sel] = block - N * xbar[:, :, None] * xbar[:, None, :]
         del x, xc, flat, sums, offset, rep
+    if centred:
+        # every layer pair's cross-moment about the window's shift, one (L d)-wide GEMM
+        _gemm_into(torch.cat(centred, dim=1)[:, None, :], cross[None])
+        del centred
     tokens = TokenMoments(ids=ids, n=n.to(F64), mean=tok_mean, m2=tok_m2, unit_sum=tok_unit)
     return tokens, LayerMoments(N, lay_mean, lay_com, lay_unit, lay_unit_sq)

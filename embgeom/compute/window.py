@@ -36,13 +36,16 @@ F64 = torch.float64
 
 
 class LayerSums:
-    """Per-layer sums of a window about a fixed shift (see the module docstring)."""
+    """Per-layer sums of a window about a fixed shift (see the module docstring); with
+    ``cross_layer``, also ``X = sum (x - s)(x - s)^T`` over the concatenated layers,
+    (L d, L d), the same sums across layers."""
 
-    def __init__(self, num_layers: int, dim: int, device):
+    def __init__(self, num_layers: int, dim: int, device, cross_layer: bool = False):
         z = lambda *shape: torch.zeros(shape, dtype=F64, device=device)  # noqa: E731
         self.n = 0
         self.shift: Optional[torch.Tensor] = None
         self.S1, self.A = z(num_layers, dim), z(num_layers, dim, dim)
+        self.cross = z(num_layers * dim, num_layers * dim) if cross_layer else None
         self.unit_sum, self.unit_sq_sum = z(num_layers, dim), z(num_layers, dim)
 
     def add(self, layers: LayerMoments) -> None:
@@ -57,6 +60,12 @@ class LayerSums:
         if layers.comoment is not None:
             self.A += layers.comoment
             self.A.baddbmm_(delta[:, :, None], delta[:, None, :], alpha=layers.n)
+            if self.cross is not None:
+                if layers.cross is None:
+                    raise ValueError("a cross_layer window needs each batch's cross co-moment")
+                flat = delta.reshape(-1)
+                self.cross += layers.cross
+                self.cross.addr_(flat, flat, alpha=layers.n)
         self.unit_sum += layers.unit_sum
         self.unit_sq_sum += layers.unit_sq_sum
         self.n += int(layers.n)
@@ -66,11 +75,17 @@ class LayerSums:
         L, d = self.S1.shape
         if self.n == 0:
             zero = LayerMoments.empty(L, d)
+            if self.cross is not None:
+                zero.cross = np.zeros((L * d, L * d))
             return zero
         mean = self.shift + self.S1 / self.n
         C = self.A - self.S1[:, :, None] * self.S1[:, None, :] / self.n
+        cross = None
+        if self.cross is not None:
+            flat = self.S1.reshape(-1)
+            cross = (self.cross - flat[:, None] * flat[None, :] / self.n).cpu().numpy()
         return LayerMoments(self.n, mean.cpu().numpy(), C.cpu().numpy(),
-                            self.unit_sum.cpu().numpy(), self.unit_sq_sum.cpu().numpy())
+                            self.unit_sum.cpu().numpy(), self.unit_sq_sum.cpu().numpy(), cross)
 
 
 class WindowAccumulator:
@@ -85,10 +100,12 @@ class WindowAccumulator:
     max_capacity : rows beyond which growth stops doubling and takes only what a batch
         needs (the window is checkpointed once past its byte budget, so doubling past it
         would allocate memory it never uses).
+    cross_layer : also keep the cross-layer co-moment (see :class:`LayerSums`).
     """
 
     def __init__(self, num_layers: int, dim: int, self_similarity: bool, device="cpu",
-                 capacity: int = 1024, max_capacity: Optional[int] = None):
+                 capacity: int = 1024, max_capacity: Optional[int] = None,
+                 cross_layer: bool = False):
         self.num_layers, self.dim, self.device = num_layers, dim, torch.device(device)
         self.self_similarity = self_similarity
         self.max_capacity = max_capacity
@@ -97,7 +114,7 @@ class WindowAccumulator:
         self._alloc(capacity)
         self._sorted_keys = torch.zeros(0, dtype=torch.long, device=self.device)
         self._sorted_rows = torch.zeros(0, dtype=torch.long, device=self.device)
-        self.layers = LayerSums(num_layers, dim, self.device)
+        self.layers = LayerSums(num_layers, dim, self.device, cross_layer)
 
     def _alloc(self, capacity: int) -> None:
         L, d, dev = self.num_layers, self.dim, self.device

@@ -40,6 +40,7 @@ class CollectionSettings:
     layers: Optional[tuple[int, ...]] = None
     self_similarity: bool = True
     preset: Optional[str] = None
+    cross_layer: bool = False
 
     def __post_init__(self):
         if self.key not in KEYS:
@@ -74,7 +75,7 @@ class CollectionSettings:
         if d.get("layers") is not None:
             d["layers"] = tuple(d["layers"])
         return cls(**{k: d[k] for k in ("key", "unit", "include_special", "layers",
-                                        "self_similarity", "preset") if k in d})
+                                        "self_similarity", "preset", "cross_layer") if k in d})
 
     def same_rule(self, other: "CollectionSettings") -> bool:
         """The same counting rule (a preset's name is only a label)."""
@@ -115,6 +116,11 @@ class PairConf:
     the model's maximum capped by the resolving worker's ``max_window_tokens``: it decides
     counts, so every worker and adopter of the generation uses it, whatever its own
     settings. 0 in a configuration fixed before it was pinned: each worker's own length.
+
+    ``cross_layer``: the pair also keeps the co-moment of the concatenation of its kept
+    layers, an (L d) x (L d) matrix whose (i, j) block of d x d is the centred cross-moment
+    of layers i and j (the exact layer-by-layer CKA), stored as the per-layer co-moment is,
+    in upper-triangular row chunks bounded by ``chunk_bytes`` (``cross_chunks``).
     """
 
     gen: int
@@ -133,6 +139,8 @@ class PairConf:
     extra: dict = field(default_factory=dict)
     window_tokens: int = 0
     scal_unit_norms: bool = False
+    cross_layer: bool = False
+    cross_chunks: tuple[int, ...] = ()
 
     @property
     def L(self) -> int:
@@ -152,6 +160,11 @@ class PairConf:
     def d(self) -> int:
         return self.hidden_size
 
+    @property
+    def cross_dim(self) -> int:
+        """Width of the concatenated layers whose co-moment ``cross_layer`` keeps: L d."""
+        return self.L * self.d
+
     def layer_position(self, layer: int) -> Optional[int]:
         """Index of hidden_states layer ``layer`` in the records, or None if not kept."""
         try:
@@ -162,12 +175,14 @@ class PairConf:
     def to_json(self) -> str:
         d = asdict(self)
         d["layers"], d["chunks"] = list(self.layers), list(self.chunks)
+        d["cross_chunks"] = list(self.cross_chunks)
         return json.dumps(d, sort_keys=True)
 
     @classmethod
     def from_json(cls, raw) -> "PairConf":
         d = json.loads(raw)
         d["layers"], d["chunks"] = tuple(d["layers"]), tuple(d["chunks"])
+        d["cross_chunks"] = tuple(d.get("cross_chunks", ()))
         return cls(**d)
 
     @classmethod
@@ -189,7 +204,9 @@ class PairConf:
                    unit=settings.unit, include_special=settings.include_special,
                    chunks=chunk_rows(hidden_size, chunk_bytes), architecture=architecture,
                    created_at=created_at, window_tokens=window_tokens,
-                   scal_unit_norms=settings.self_similarity)
+                   scal_unit_norms=settings.self_similarity, cross_layer=settings.cross_layer,
+                   cross_chunks=chunk_rows(len(layers) * hidden_size, chunk_bytes)
+                   if settings.cross_layer else ())
 
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)

@@ -38,8 +38,9 @@ spread over a cluster and checkpoints of different workers write them in paralle
     :lock     string fencing token of the worker applying to this shard (PX lease)
     :dead     string set when the generation is deleted: later writes are refused
 
-- the layer head, tag ``{c:m:g:h}``, and co-moment chunk j of layer l, tag
-  ``{c:m:g:L<l>c<j>}``::
+- the layer head, tag ``{c:m:g:h}``, co-moment chunk j of layer l, tag
+  ``{c:m:g:L<l>c<j>}``, and (``cross_layer`` only) chunk j of the co-moment of all kept
+  layers concatenated, tag ``{c:m:g:Xc<j>}``::
 
     :seg      hash  "base" and one field per checkpoint not yet folded into it
     :folded   hash  checkpoint id -> fold time (a late rewrite of a folded segment is refused)
@@ -175,6 +176,10 @@ class PartKeys:
 
     def chunk(self, layer: int, j: int) -> PartTag:
         return PartTag(f"{{{self._prefix}:L{layer}c{j}}}")
+
+    def cross(self, j: int) -> PartTag:
+        """Chunk j of the cross-layer co-moment (collections with ``cross_layer``)."""
+        return PartTag(f"{{{self._prefix}:Xc{j}}}")
 
 
 def collection_settings(collection: str) -> str:

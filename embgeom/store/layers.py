@@ -1,16 +1,18 @@
 """Layer-level state: the head (n, mean, m2, unit sums of every kept layer) and the
 co-moment matrices, as append-only segments folded into a base from time to time.
 
-Every checkpoint adds one *segment* per layer part (the head, and each co-moment chunk of
+Every checkpoint adds one *segment* per layer part (the head, each co-moment chunk of
 each kept layer: ``conf.chunks`` row blocks of the upper triangle, each within
-``chunk_bytes``), keyed by its checkpoint id, so writing it is idempotent and never
+``chunk_bytes``, and with ``cross_layer`` the chunks of the concatenated layers'
+co-moment, ``conf.cross_chunks``), keyed by its checkpoint id, so writing it is idempotent and never
 rewrites the accumulated state: its cost is the window's own moments. When a part holds
 more than ``max_segments`` segments, the worker that noticed folds them into the part's
 ``base`` (a Chan merge in numpy, under the part's lock) and records the folded ids, so a
 late rewrite of a folded segment is refused.
 
 Readers merge the base and the segments present (:func:`merge_head`,
-:func:`merge_chunks`): both are exact Chan merges, in any order.
+:func:`merge_chunks`): both are :func:`embgeom.stats.chan_merge` (and its co-moment form),
+exact in any order.
 """
 
 from __future__ import annotations
@@ -22,22 +24,33 @@ import numpy as np
 import redis
 
 from embgeom.errors import CheckTooOld, GenerationDeleted
-from embgeom.stats import LayerMoments
+from embgeom.stats import LayerMoments, chan_merge, chan_merge_comoment
 from embgeom.store import codec
 from embgeom.store.conf import PairConf
 from embgeom.store.keys import PartKeys, PartTag
 from embgeom.store.scripts import FOLD, PUT_SEGMENT
 
-__all__ = ["LayerWriter", "layer_parts", "merge_head", "merge_chunks", "comoment_from_chunks"]
+__all__ = ["LayerWriter", "layer_parts", "chunk_span", "merge_head", "merge_chunks",
+           "comoment_from_chunks"]
 
 
 def layer_parts(parts: PartKeys, conf: PairConf) -> list[tuple[str, Optional[int], Optional[int], PartTag]]:
-    """Every layer part of a pair's generation: ``(kind, layer position, chunk, keys)``."""
+    """Every layer part of a pair's generation: ``(kind, layer position, chunk, keys)``;
+    kind "head", "chunk" (a layer's co-moment) or "cross" (the cross-layer co-moment)."""
     out = [("head", None, None, parts.head)]
     for li, layer in enumerate(conf.layers):
         for j in range(len(conf.chunks) - 1):
             out.append(("chunk", li, j, parts.chunk(layer, j)))
+    for j in range(len(conf.cross_chunks) - 1):
+        out.append(("cross", None, j, parts.cross(j)))
     return out
+
+
+def chunk_span(conf: PairConf, kind: str, j: int) -> tuple[int, int, int]:
+    """``(width, r0, r1)`` of co-moment chunk j: of a layer (width d) or of the
+    concatenated layers (width L d)."""
+    bounds, width = (conf.cross_chunks, conf.cross_dim) if kind == "cross" else (conf.chunks, conf.d)
+    return width, bounds[j], bounds[j + 1]
 
 
 def ordered_segments(fields: dict) -> list[bytes]:
@@ -53,15 +66,12 @@ def merge_head(segments: list[dict], L: int, d: int) -> dict:
     out = {"n": 0, "mean": np.zeros((L, d)), "m2": np.zeros(L), "unit_sum": np.zeros((L, d)),
            "unit_sq_sum": np.zeros((L, d))}
     for seg in segments:
-        n = out["n"] + seg["n"]
         if seg["n"] == 0:
             continue
-        delta = seg["mean"] - out["mean"]
-        out["m2"] = out["m2"] + seg["m2"] + (delta * delta).sum(-1) * (out["n"] * seg["n"] / n)
-        out["mean"] = out["mean"] + delta * (seg["n"] / n)
+        out["n"], out["mean"], out["m2"], _ = chan_merge(out["n"], out["mean"], out["m2"],
+                                                         seg["n"], seg["mean"], seg["m2"])
         out["unit_sum"] = out["unit_sum"] + seg["unit_sum"]
         out["unit_sq_sum"] = out["unit_sq_sum"] + seg["unit_sq_sum"]
-        out["n"] = n
     return out
 
 
@@ -73,11 +83,8 @@ def merge_chunks(raws: list[bytes], d: int, r0: int, r1: int) -> tuple[int, np.n
         nb, mb, cb = codec.from_chunk(raw, d, r0, r1)
         if nb == 0:
             continue
-        total = n + nb
-        delta = mb - mean
-        c = c + cb + delta[rows] * delta[cols] * (n * nb / total)
-        mean = mean + delta * (nb / total)
-        n = total
+        c = chan_merge_comoment(n, mean, c, nb, mb, cb, index=(rows, cols))
+        n, mean, _, _ = chan_merge(n, mean, 0.0, nb, mb, 0.0)
     return n, mean, c
 
 
@@ -108,6 +115,13 @@ class LayerWriter:
             for j in range(len(conf.chunks) - 1):
                 out.append(codec.chunk_segment(layers.n, layers.mean[li], layers.comoment[li],
                                                conf.chunks[j], conf.chunks[j + 1]))
+        if conf.cross_layer:
+            if layers.cross is None:
+                raise ValueError("a cross_layer pair's window carries no cross-layer co-moment")
+            flat = layers.mean.reshape(-1)
+            for j in range(len(conf.cross_chunks) - 1):
+                _, r0, r1 = chunk_span(conf, "cross", j)
+                out.append(codec.chunk_segment(layers.n, flat, layers.cross, r0, r1))
         return out
 
     def put(self, parts: PartKeys, conf: PairConf, cp: str, layers: LayerMoments,
@@ -149,8 +163,8 @@ class LayerWriter:
                         [np.full((conf.L, 1), float(merged["n"])), merged["mean"], merged["m2"][:, None],
                          merged["unit_sum"], merged["unit_sq_sum"]], axis=1).astype(codec.F64).tobytes()
                 else:
-                    r0, r1 = conf.chunks[j], conf.chunks[j + 1]
-                    n, mean, c = merge_chunks(raws, conf.d, r0, r1)
+                    width, r0, r1 = chunk_span(conf, kind, j)
+                    n, mean, c = merge_chunks(raws, width, r0, r1)
                     base = np.concatenate([[float(n)], mean, c]).astype(codec.F64).tobytes()
                 folded += FOLD(self.r, [keys.lock, keys.seg, keys.folded], [fence, base, *cps]) == 1
             finally:

@@ -33,7 +33,8 @@ from embgeom.store import codec
 from embgeom.store import keys as K
 from embgeom.store.conf import PairConf, shard_of
 from embgeom.store.keys import PairKeys
-from embgeom.store.layers import comoment_from_chunks, merge_chunks, merge_head, ordered_segments
+from embgeom.store.layers import (chunk_span, comoment_from_chunks, merge_chunks, merge_head,
+                                  ordered_segments)
 from embgeom.store.scripts import SCAN_SLICES, SLICES
 
 __all__ = ["Plan", "run_sync", "run_async", "PairState", "Scalars", "BoundedCache", "Reader"]
@@ -437,6 +438,21 @@ class Reader:
         return {"n": head["n"], "mean": head["mean"][position], "m2": head["m2"][position],
                 "comoment": comoment_from_chunks(chunks, conf.d),
                 "unit_sum": head["unit_sum"][position], "unit_sq_sum": head["unit_sq_sum"][position]}
+
+    def cross_layer(self, state: PairState) -> Plan:
+        """The co-moment of all kept layers concatenated (``cross_layer`` pairs): n, mean
+        (L d,), comoment (L d, L d), merged from its chunks as :meth:`covariance` merges
+        a layer's."""
+        conf = state.conf
+        parts = state.pair.parts(state.gen)
+        j_count = len(conf.cross_chunks) - 1
+        replies = yield [("hgetall", parts.cross(j).seg) for j in range(j_count)]
+        n, mean, chunks = 0, np.zeros(conf.cross_dim), []
+        for j, fields in enumerate(replies):
+            width, r0, r1 = chunk_span(conf, "cross", j)
+            n, mean, entries = merge_chunks(ordered_segments(fields), width, r0, r1)
+            chunks.append((r0, r1, entries))
+        return {"n": n, "mean": mean, "comoment": comoment_from_chunks(chunks, conf.cross_dim)}
 
     # ------------------------------------------------------------------- means
     def means(self, state: PairState, positions: Sequence[int], keep=None, page: int = 64) -> Plan:

@@ -37,7 +37,8 @@ def put_collection(collection: CollectionDep, body: CollectionSettingsIn, rt: Ru
         settings = CollectionSettings(key=body.key, unit=body.unit,
                                       include_special=body.include_special,
                                       layers=tuple(body.layers) if body.layers is not None else None,
-                                      self_similarity=body.self_similarity)
+                                      self_similarity=body.self_similarity,
+                                      cross_layer=body.cross_layer)
     settings, created = rt.collections.put(collection, settings)
     out = {"name": collection, "settings": settings.to_dict(), "created": created,
            "models": rt.collections.pairs().get(collection, [])}

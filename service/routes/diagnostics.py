@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated, Literal, Optional
 
 from fastapi import APIRouter, Query
 
@@ -10,7 +10,7 @@ from embgeom.errors import NotFound
 from service.deps import LayerDep, ModelDep, PairDep, RuntimeDep
 from service.limits import check_sync_texts
 from service.schemas import (
-    MAX_INT, MODEL_503, ErrorBody, FiniteQuery, Isotropy, ModelOutliers, Outliers, ProbeRequest, ProbeResult,
+    MAX_INT, MODEL_503, ErrorBody, FiniteQuery, Isotropy, LayerSimilarity, ModelOutliers, Outliers, ProbeRequest, ProbeResult,
     SampleIsotropy, SampleRequest, TRANSFORM_PATTERN, documented,
 )
 
@@ -51,6 +51,16 @@ def model_outliers(pair: PairDep, model: ModelDep, rt: RuntimeDep, threshold: Th
                    transform: Transform = None) -> dict:
     """Outlier dimensions of every layer and the ones that persist across layers."""
     return run_sync(rt.redis, reports.model_outliers(rt.reader, pair, threshold, transform))
+
+
+@router.get("/collections/{collection}/models/{model}/similarity", response_model=LayerSimilarity,
+            responses={409: {"model": ErrorBody, "description": "cross_layer_not_kept: the "
+                                                               "collection was made without cross_layer"}})
+def layer_similarity(pair: PairDep, model: ModelDep, rt: RuntimeDep,
+                     metric: Literal["linear_cka", "rv"] = "linear_cka") -> dict:
+    """Layer-by-layer linear CKA over every occurrence ingested (exact, from the streamed
+    cross-layer co-moment of a collection created with ``cross_layer``)."""
+    return run_sync(rt.redis, reports.layer_similarity(rt.reader, pair, metric))
 
 
 @router.post(LAYER_PATH + "/isotropy/sample", response_model=SampleIsotropy, responses=SYNC_RESPONSES)

@@ -52,7 +52,9 @@ def _headers(rendered) -> dict:
 
 @router.get("/figures/{name}", response_class=Response,
             responses={200: {"content": {"image/png": {}, "image/svg+xml": {}},
-                             "description": "The figure"}})
+                             "description": "The figure"},
+                       409: {"model": ErrorBody, "description": "cross_layer_not_kept: cka of a "
+                                                                "collection made without cross_layer"}})
 def figure(request: Request, pair: PairDep, model: ModelDep, rt: RuntimeDep,
            name: Annotated[str, Path(**documented(enum=list(figure_kinds.FIGURES)))],
            format: ImageFormat = "png",
@@ -66,8 +68,10 @@ def figure(request: Request, pair: PairDep, model: ModelDep, rt: RuntimeDep,
 
     ``name``: vm_scatter (V against M per token type, paper Fig. 2), layer_summary (cv_Q,
     slope, R^2 across layers, Fig. 4), decomposition (Fig. 5), within_ratio (Fig. 6),
-    frequency (Q, M, V against log10 n, Fig. 7), isotropy, outliers, spectrum. The count
-    filter (default every token type, as the JSON endpoints) applies to the first five.
+    frequency (Q, M, V against log10 n, Fig. 7), isotropy, outliers, spectrum, cka (the
+    layer-by-layer linear CKA of .../similarity; 409 cross_layer_not_kept without
+    cross_layer). The count filter (default every token type, as the JSON endpoints)
+    applies to the first five.
     Figures are cached until the collection changes."""
     params = figure_params(name, format, layer, min_count, max_count, models, pair.model)
     if params.layer is not None:

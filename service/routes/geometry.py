@@ -3,12 +3,12 @@ LLE transfer, per-token intrinsic dimension, neighbours and Emb2Emb steering tra
 
 The reads and the math are CPU work: every route runs them on the thread pool (a plain
 ``def``, or ``run_in_threadpool``), never on the event loop. The work itself is
-:class:`embgeom.spaces.Geometry`, one per app (its result cache is keyed by pair names and
+:class:`embgeom.geometry.service.Geometry`, one per app (its result cache is keyed by pair names and
 versions, which are only unique within one store).
 
 Figures (PNG, SVG) of the analyses: ``.../layers/{l}/figures/{name}`` (one space) and
 ``/v1/compare/figures/{name}?a=collection:model:layer&b=...`` (two), drawn by
-:mod:`embgeom.geometry_figures` from the same computations as the JSON answers and cached
+:mod:`embgeom.figures.geometry` from the same computations as the JSON answers and cached
 with them until either space changes. They carry ``X-Embgeom-Cache: hit|miss``, the
 version(s) shown (``X-Embgeom-Version``, or ``X-Embgeom-Version-A`` and ``-B``) and the
 headline numbers they show (``X-Embgeom-Pearson``, ...).
@@ -23,10 +23,10 @@ from fastapi import APIRouter, Path, Query, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
-from embgeom import geometry_figures
+from embgeom.figures import geometry as geometry_figures
 from embgeom.errors import NotFound
 from embgeom.renders import MEDIA_TYPES, check_format
-from embgeom.spaces import FIGURE_PAIRS, INPUT, Geometry, GeometryCache, Limits, RenderedFigure, Space
+from embgeom.geometry.service import FIGURE_PAIRS, INPUT, Geometry, GeometryCache, Limits, RenderedFigure, Space
 from service.deps import LayerTargetDep, app_object
 from service.encoding import FastJSON
 from service.geometry_schemas import (
@@ -65,10 +65,11 @@ MinCount = Annotated[int, Query(ge=1, le=MAX_INT, description="Token types with 
 @router.post("/compare/global", response_model=GlobalSimilarity, responses=MODEL_RESPONSES)
 def compare_global(body: GlobalRequest, request: Request):
     """Global similarity of two spaces over their shared tokens: Pearson correlation of
-    the pairwise cosine similarities, linear CKA and the orthogonal Procrustes residual,
-    each beside a baseline with the token correspondence shuffled."""
+    the pairwise cosine similarities, linear CKA (biased and debiased), the orthogonal
+    Procrustes residual, mutual k-NN and CKNNA, each beside a baseline with the token
+    correspondence shuffled."""
     return FastJSON(geometry_of(request).compare_global(
-        body.a.to_space(), body.b.to_space(), body.min_count, body.sample, body.seed))
+        body.a.to_space(), body.b.to_space(), body.min_count, body.sample, body.seed, body.k))
 
 
 @router.post("/compare/lle", response_model=LLEResult, responses=MODEL_RESPONSES)

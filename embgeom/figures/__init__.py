@@ -46,7 +46,7 @@ from matplotlib.ticker import FormatStrFormatter, MaxNLocator
 __all__ = [
     "FIGURES", "FORMATS", "DPI", "SIZES",
     "vm_scatter", "layer_summary", "decomposition", "within_ratio", "frequency",
-    "isotropy", "outliers", "spectrum",
+    "isotropy", "outliers", "spectrum", "cka",
 ]
 
 FORMATS = ("png", "svg")
@@ -60,6 +60,7 @@ SIZES: dict[str, tuple[float, float]] = {
     "isotropy": (11.0, 4.5),
     "outliers": (7.0, 5.0),
     "spectrum": (7.0, 5.0),
+    "cka": (7.0, 6.0),
 }
 RASTERIZE_ABOVE = 5000
 
@@ -73,6 +74,8 @@ FIGURES: dict[str, str] = {
     "isotropy": "IsoScore, mean cosine similarity and effective rank across layers",
     "outliers": "outlier dimensions (variance >= threshold x mean variance) across layers",
     "spectrum": "sorted covariance eigenvalues of one layer and their cumulative explained variance",
+    "cka": "linear CKA of every pair of layers over every occurrence ingested (exact; collections "
+           "created with cross_layer)",
 }
 
 _SVG_SALT = "embgeom"
@@ -530,4 +533,44 @@ def spectrum(eigenvalues, layer, model, fmt: str = "png") -> bytes:
     right.set_ylabel("cumulative explained variance (fraction)")
     lines = ax.get_lines() + right.get_lines()
     ax.legend(lines, [line.get_label() for line in lines], loc="center right", fontsize=9)
+    return _render(fig, fmt)
+
+
+def cka(result: Optional[Mapping], model, fmt: str = "png") -> bytes:
+    """Heatmap of the layer-by-layer linear CKA (``.../similarity?metric=linear_cka``).
+
+    Parameters
+    ----------
+    result : the endpoint's answer (``layers``, ``matrix`` with None for undefined, ``n``),
+        or None for a collection that keeps no cross-layer moments ("no data" says why).
+    model : shown in the title.
+    fmt : "png" or "svg".
+    """
+    _check_fmt(fmt)
+    fig = _new_figure("cka")
+    ax = fig.add_subplot()
+    ax.set_title(_title(model, "linear CKA between layers"))
+    if result is None:
+        _no_data(ax, "no cross-layer moments: create the collection with cross_layer")
+        return _render(fig, fmt)
+    layers = list(result.get("layers") or [])
+    M = np.array([[np.nan if v is None else float(v) for v in row]
+                  for row in (result.get("matrix") or [])], dtype=np.float64).reshape(len(layers), -1)
+    if not layers or not result.get("n") or not np.isfinite(M).any():
+        _no_data(ax)
+        return _render(fig, fmt)
+    image = ax.imshow(np.ma.masked_invalid(M), vmin=0.0, vmax=1.0, cmap="viridis", origin="lower")
+    ticks = np.arange(len(layers))
+    ax.set_xticks(ticks, [str(l) for l in layers])
+    ax.set_yticks(ticks, [str(l) for l in layers])
+    ax.set_xlabel("layer (hidden_states index)")
+    ax.set_ylabel("layer (hidden_states index)")
+    if len(layers) <= 16:
+        for i in range(len(layers)):
+            for j in range(len(layers)):
+                if np.isfinite(M[i, j]):
+                    ax.text(j, i, f"{M[i, j]:.2f}", ha="center", va="center", fontsize=7,
+                            color="black" if M[i, j] > 0.6 else "white")
+    fig.colorbar(image, ax=ax, label="linear CKA")
+    fig.text(0.01, 0.01, f"n = {int(result['n']):,} occurrences", fontsize=8)
     return _render(fig, fmt)

@@ -1,5 +1,6 @@
-"""Token embedding spaces held by the service, matched across models, and the cross-model
-geometry of :mod:`embgeom.geometry` on them.
+"""The geometry service: token embedding spaces held in the store, matched across models
+(:mod:`embgeom.geometry.matching`), the measures of :mod:`embgeom.geometry` on them, read,
+cached and bounded here (the only part of the package that does I/O).
 
 A *space* is ``{collection, model, layer}``:
 
@@ -52,15 +53,18 @@ from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 
-from embgeom import geometry, reports
+from embgeom import reports
+from embgeom.figures import geometry as gf
 from embgeom.compute.positions import canonical_token, encode, is_word_key, token_markers
 from embgeom.errors import InvalidInput, NotFound, Overloaded
+from embgeom.geometry import intrinsic, local, similarity, steering
+from embgeom.geometry.matching import Match, match_tokens, sample_pairs, select_rows
 from embgeom.store import keys as K
 from embgeom.store.keys import PairKeys
 from embgeom.store.reader import PairState, Reader
 
-__all__ = ["INPUT", "Space", "Limits", "SpaceTokens", "Match", "GeometryCache", "Geometry",
-           "RenderedFigure", "match_tokens", "sample_pairs", "select_rows"]
+__all__ = ["INPUT", "Space", "Limits", "SpaceTokens", "GeometryCache", "Geometry",
+           "RenderedFigure"]
 
 INPUT = "input"
 # Draws of the random-map baseline of a steering transfer.
@@ -68,6 +72,9 @@ RANDOM_MAP_DRAWS = 32
 ID_METHODS = ("local_pca", "twonn", "mle")
 # Token pairs a global-similarity figure plots by default (a seeded sample).
 FIGURE_PAIRS = 20_000
+# What /v1/compare/global answers, each beside its baseline.
+GLOBAL_SCORES = ("pearson_cosine", "cka_linear", "procrustes_residual", "unbiased_cka",
+                 "mutual_knn", "cknna")
 
 
 @dataclass(frozen=True)
@@ -134,72 +141,6 @@ class SpaceTokens:
         if above.shape[0] <= cap:
             return self.min_count
         return int(above[cap]) + 1
-
-
-@dataclass(frozen=True)
-class Match:
-    """Rows of two :class:`SpaceTokens` that are the same token: ``rows_a[i]`` of a and
-    ``rows_b[i]`` of b; ``by`` is ``"id"`` or ``"string"``."""
-
-    rows_a: np.ndarray
-    rows_b: np.ndarray
-    by: str
-
-    def __len__(self) -> int:
-        return int(self.rows_a.shape[0])
-
-
-# --------------------------------------------------------------------------- matching
-
-
-def _representatives(strings: Sequence[str], n: np.ndarray, keys: np.ndarray):
-    """One row per distinct string: the largest n, then the smallest key.
-    Returns (unique strings sorted, their rows)."""
-    uniq, inverse = np.unique(np.asarray(strings, dtype=object).astype(str), return_inverse=True)
-    order = np.lexsort((keys, -n, inverse))
-    first = np.r_[True, inverse[order][1:] != inverse[order][:-1]]
-    return uniq, order[first]
-
-
-def match_tokens(keys_a, n_a, strings_a, keys_b, n_b, strings_b, by: str) -> Match:
-    """Match two token sets by key (``by="id"``) or by canonical string (``by="string"``).
-
-    Parameters
-    ----------
-    keys_a, keys_b : arrays (k_a,), (k_b,) of token keys.
-    n_a, n_b : their counts (pick the representative of a repeated string).
-    strings_a, strings_b : canonical strings of the keys (used with ``by="string"``).
-
-    Returns
-    -------
-    Match, ordered by key (id) or by string.
-    """
-    keys_a, keys_b = np.asarray(keys_a, dtype=np.int64), np.asarray(keys_b, dtype=np.int64)
-    if by == "id":
-        _, ra, rb = np.intersect1d(keys_a, keys_b, assume_unique=True, return_indices=True)
-        return Match(ra.astype(np.int64), rb.astype(np.int64), "id")
-    if by != "string":
-        raise ValueError(f"by must be 'id' or 'string', got {by!r}")
-    if len(keys_a) == 0 or len(keys_b) == 0:
-        empty = np.zeros(0, dtype=np.int64)
-        return Match(empty, empty, "string")
-    ua, rep_a = _representatives(strings_a, np.asarray(n_a, dtype=np.float64), keys_a)
-    ub, rep_b = _representatives(strings_b, np.asarray(n_b, dtype=np.float64), keys_b)
-    _, ia, ib = np.intersect1d(ua, ub, assume_unique=True, return_indices=True)
-    return Match(rep_a[ia].astype(np.int64), rep_b[ib].astype(np.int64), "string")
-
-
-def select_rows(m: int, cap: int, sample: Optional[int], seed: int) -> tuple[np.ndarray, bool]:
-    """Which of ``m`` matched rows a request uses: all of them, or a sorted seeded sample of
-    ``sample`` (when asked) or of ``cap`` (when ``m > cap``). Returns (rows, sampled)."""
-    if sample is not None and sample > cap:
-        raise InvalidInput(f"sample {sample} exceeds the limit of {cap} tokens per request",
-                           type="sample_too_large", sample=sample, limit=cap)
-    size = cap if sample is None else sample
-    if m <= size:
-        return np.arange(m, dtype=np.int64), False
-    rng = np.random.default_rng([seed, 2])
-    return np.sort(rng.choice(m, size=size, replace=False)).astype(np.int64), True
 
 
 # ------------------------------------------------------------------------------ cache
@@ -466,33 +407,41 @@ class Geometry:
 
     # ---------------------------------------------------------- global similarity
     def compare_global(self, a: Space, b: Space, min_count: int = 5,
-                       sample: Optional[int] = None, seed: int = 0) -> dict:
-        """Pearson of cosines, linear CKA and Procrustes residual of two spaces over their
-        shared tokens (or a seeded sample of them), each beside a shuffled baseline.
+                       sample: Optional[int] = None, seed: int = 0, k: int = 10) -> dict:
+        """Every global measure of two spaces over their shared tokens (or a seeded sample
+        of them), each beside a shuffled baseline (:func:`embgeom.geometry.similarity.
+        global_similarity`).
 
         ``pearson_cosine``: Pearson r between ``cos(a_i, a_j)`` and ``cos(b_i, b_j)`` over
         all pairs i < j of used tokens (1: the same relative orientations; about 0 for
         unrelated spaces). ``cka_linear``: linear CKA of the column-centred matrices (1 for
-        a rotation and scaling; about ``sqrt(d_a d_b) / m`` for unrelated ones).
-        ``procrustes_residual``: ``min_R ||A_n R - B_n||_F^2`` over orthogonal R after
-        centring, scaling to unit Frobenius norm and zero-padding the narrower space
-        (0: the same shape; up to 2). ``baseline``: the same three with b's rows shuffled
+        a rotation and scaling; about ``sqrt(d_a d_b) / m`` for unrelated ones, near 1 when
+        m is not much larger than d). ``unbiased_cka``: the same with the debiased HSIC
+        (about 0 for unrelated spaces whatever m and d). ``procrustes_residual``:
+        ``min_R ||A_n R - B_n||_F^2`` over orthogonal R after centring, scaling to unit
+        Frobenius norm and zero-padding the narrower space (0: the same shape; up to 2).
+        ``mutual_knn``: mean share of a token's ``k`` nearest tokens by cosine common to
+        both spaces (chance ``k / (m - 1)``). ``cknna``: debiased CKA of the cosine kernels
+        restricted to mutual neighbours. ``baseline``: each with b's rows shuffled
         (seeded): what these marginal geometries give without a correspondence.
         """
         if seed < 0:
             raise InvalidInput("seed must be >= 0", type="invalid_seed")
-        return self._global(self.tokens(a, min_count), self.tokens(b, min_count), sample, seed)
+        return self._global(self.tokens(a, min_count), self.tokens(b, min_count), sample, seed, k)
 
-    def _global(self, ta: SpaceTokens, tb: SpaceTokens, sample: Optional[int], seed: int) -> dict:
-        key = ("global", ta.ident, tb.ident, sample, seed)
+    def _global(self, ta: SpaceTokens, tb: SpaceTokens, sample: Optional[int], seed: int,
+                k: int = 10) -> dict:
+        key = ("global", ta.ident, tb.ident, sample, seed, k)
 
         def compute():
-            s = self._shared(ta, tb, self.limits.max_tokens, sample, seed, 3)
-            g = geometry.global_similarity(s["Xa"], s["Xb"], None, seed)
-            return {**s["header"], "pairs": g["pairs"],
-                    "pearson_cosine": _f(g["pearson_cosine"]), "cka_linear": _f(g["cka_linear"]),
-                    "procrustes_residual": _f(g["procrustes_residual"]),
-                    "baseline": {k: _f(v) for k, v in g["baseline"].items()},
+            self._check_k(k, self.limits.max_tokens)
+            s = self._shared(ta, tb, self.limits.max_tokens, sample, seed, 4)
+            self._check_k(k, s["Xa"].shape[0])
+            g = similarity.global_similarity(s["Xa"], s["Xb"], None, seed, k)
+            scores = {name: _f(g[name]) for name in GLOBAL_SCORES}
+            return {**s["header"], "pairs": g["pairs"], "k": g["k"], **scores,
+                    "chance_mutual_knn": k / (s["Xa"].shape[0] - 1),
+                    "baseline": {name: _f(g["baseline"][name]) for name in GLOBAL_SCORES},
                     "as_of": self._as_of(ta, tb)}
 
         return self._cached(key, (ta, tb), compute)
@@ -503,7 +452,7 @@ class Geometry:
         """LLE weights of each token from its k nearest neighbours in a, reused in b.
 
         Errors are fractions of b's total variance left unexplained by the reconstructions
-        (:func:`embgeom.geometry.lle_transfer`): ``transfer_error`` (a's neighbours and
+        (:func:`embgeom.geometry.local.lle_transfer`): ``transfer_error`` (a's neighbours and
         weights), ``own_error`` (a's neighbours, b's optimal weights: the floor),
         ``own_neighbors_error`` (plain LLE in b), ``random_error`` (a's neighbours, random
         weights on the simplex: the baseline), their ratios, ``neighbor_overlap`` (mean
@@ -524,7 +473,7 @@ class Geometry:
             self._check_k(k, self.limits.max_lle_tokens)
             s = self._shared(ta, tb, self.limits.max_lle_tokens, sample, seed, 3)
             self._check_k(k, s["Xa"].shape[0])
-            r = geometry.lle_transfer(s["Xa"], s["Xb"], k, reg, seed)
+            r = local.lle_transfer(s["Xa"], s["Xb"], k, reg, seed)
             m = s["Xa"].shape[0]
             out = {**s["header"], **{name: _f(v) for name, v in r.items() if name not in ("k", "reg")}}
             out.update({"k": k, "reg": reg, "chance_overlap": k / (m - 1),
@@ -596,7 +545,7 @@ class Geometry:
         self._check_k(k, t.keys.shape[0], low=3 if method == "twonn" else 2)
         X = self.matrix(t)
         try:
-            est = geometry.intrinsic_dimension(X, method, k, threshold)
+            est = intrinsic.intrinsic_dimension(X, method, k, threshold)
         except ValueError as exc:
             raise InvalidInput(str(exc), type="invalid_geometry_input") from None
         out = (np.asarray(est.per_point, dtype=np.float64), float(est.dimension))
@@ -785,7 +734,7 @@ class Geometry:
             # means the same whatever the model's scale and the number of tokens.
             ridge_absolute = ridge * float(np.einsum("ij,ij->", centred, centred)) / Xa.shape[1]
             try:
-                fit = geometry.fit_linear_map(Xa, Xb, ridge_absolute, held_out, seed)
+                fit = steering.fit_linear_map(Xa, Xb, ridge_absolute, held_out, seed)
             except ValueError as exc:
                 raise InvalidInput(str(exc), type="invalid_map") from None
             test = fit.held_out_rows
@@ -793,7 +742,7 @@ class Geometry:
             centre = Xb[train].mean(axis=0)
             base_cos = np.array([_cosine(centre, row) or np.nan for row in Xb[test]])
             v_a = v if vector is not None else self.steering_vector(ta, positive_texts, negative_texts)
-            moved = geometry.transfer_vector(fit.weight, v_a)
+            moved = steering.transfer_vector(fit.weight, v_a)
             out = {**s["header"],
                    "map": {"r2": _f(fit.r2), "mean_cosine": _f(fit.mean_cosine),
                            "mean_baseline_cosine": _f(np.nanmean(base_cos)) if test.size else None,
@@ -807,11 +756,11 @@ class Geometry:
                    "as_of": self._as_of(ta, tb)}
             if vector is None:
                 own = self.steering_vector(tb, positive_texts, negative_texts)
-                draws = [_cosine(v_a @ geometry.random_map_like(fit.weight, seed + i), own)
+                draws = [_cosine(v_a @ steering.random_map_like(fit.weight, seed + i), own)
                          for i in range(RANDOM_MAP_DRAWS)]
                 draws = np.array([np.nan if c is None else c for c in draws])
                 perm = np.random.default_rng([seed, 4]).permutation(Xa.shape[0])
-                shuffled = geometry.fit_linear_map(Xa, Xb[perm], ridge_absolute, held_out, seed)
+                shuffled = steering.fit_linear_map(Xa, Xb[perm], ridge_absolute, held_out, seed)
                 out.update({
                     "cosine": _cosine(moved, own), "own_norm": float(np.linalg.norm(own)),
                     "baseline": {
@@ -843,11 +792,9 @@ class Geometry:
     def intrinsic_dimension_figure(self, space: Space, k: int = 20, method: str = "local_pca",
                                    threshold: float = 0.9, min_count: int = 5, limit: int = 8,
                                    fmt: str = "png") -> "RenderedFigure":
-        """:func:`embgeom.geometry_figures.intrinsic_dimension` of a layer: the
+        """:func:`embgeom.figures.geometry.intrinsic_dimension` of a layer: the
         :meth:`intrinsic_dimension` answer (``limit`` tokens named at each end) and every
         token's estimate, from one read of the space; cached until it changes."""
-        from embgeom import geometry_figures as gf
-
         self._check_id_method(method, threshold)
         limit = min(limit, gf.MAX_NAMED)
         t = self.tokens(space, min_count)
@@ -864,11 +811,9 @@ class Geometry:
 
     def global_figure(self, a: Space, b: Space, min_count: int = 5, sample: Optional[int] = None,
                       seed: int = 0, pairs: int = FIGURE_PAIRS, fmt: str = "png") -> "RenderedFigure":
-        """:func:`embgeom.geometry_figures.global_similarity`: the :meth:`compare_global`
+        """:func:`embgeom.figures.geometry.global_similarity`: the :meth:`compare_global`
         answer and the cosines of a seeded sample of ``pairs`` of its token pairs (all of
         them when there are fewer), matched and under the answer's shuffled baseline."""
-        from embgeom import geometry_figures as gf
-
         if seed < 0:
             raise InvalidInput("seed must be >= 0", type="invalid_seed")
         if pairs < 1:
@@ -881,7 +826,7 @@ class Geometry:
             s = self._shared(ta, tb, self.limits.max_tokens, sample, seed, 3)
             Ua, Ub = _unit_rows(s["Xa"]), _unit_rows(s["Xb"])
             i, j = sample_pairs(Ua.shape[0], pairs, seed)
-            # The baseline's permutation (geometry.global_similarity): b's rows shuffled.
+            # The baseline's permutation (similarity.global_similarity): b's rows shuffled.
             perm = np.random.default_rng([seed, 1]).permutation(Ua.shape[0])
             cos_a = np.einsum("ij,ij->i", Ua[i], Ua[j])
             cos_b = np.einsum("ij,ij->i", Ub[i], Ub[j])
@@ -897,11 +842,9 @@ class Geometry:
     def lle_figure(self, a: Space, b: Space, k: int = 10, min_count: int = 5,
                    sample: Optional[int] = None, seed: int = 0, reg: float = 1e-3,
                    fmt: str = "png") -> "RenderedFigure":
-        """:func:`embgeom.geometry_figures.lle`: the :meth:`compare_lle` answer and the same
-        errors token by token (:func:`embgeom.geometry.lle_transfer_rows` on the same
+        """:func:`embgeom.figures.geometry.lle`: the :meth:`compare_lle` answer and the same
+        errors token by token (:func:`embgeom.geometry.local.lle_transfer_rows` on the same
         tokens, neighbours and seed)."""
-        from embgeom import geometry_figures as gf
-
         if seed < 0:
             raise InvalidInput("seed must be >= 0", type="invalid_seed")
         if not (reg >= 0 and np.isfinite(reg)):
@@ -912,7 +855,7 @@ class Geometry:
 
         def draw():
             s = self._shared(ta, tb, self.limits.max_lle_tokens, sample, seed, 3)
-            rows = geometry.lle_transfer_rows(s["Xa"], s["Xb"], k, reg, seed)
+            rows = local.lle_transfer_rows(s["Xa"], s["Xb"], k, reg, seed)
             tokens = self.display(ta, ta.keys[s["rows_a"]])
             content = gf.render(gf.lle(result, rows, tokens), fmt)
             return RenderedFigure(content, result["as_of"], {
@@ -932,20 +875,3 @@ class RenderedFigure:
     as_of: dict
     numbers: dict
     hit: bool = False
-
-
-def sample_pairs(m: int, count: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """Pairs ``i < j`` of ``m`` rows: all ``m (m - 1) / 2`` when they are at most ``count``,
-    else ``count`` distinct pairs drawn uniformly with ``seed``; sorted (i, then j)."""
-    total = m * (m - 1) // 2
-    if total <= count:
-        i, j = np.triu_indices(m, 1)
-        return i.astype(np.int64), j.astype(np.int64)
-    rng = np.random.default_rng([seed, 5])
-    # Linear indices of the upper triangle, drawn without replacement, then unranked:
-    # row i holds the pairs (i, i+1..m-1), starting at offset i m - i (i + 1) / 2.
-    flat = np.sort(rng.choice(total, size=count, replace=False))
-    starts = np.arange(m, dtype=np.int64) * m - np.arange(m, dtype=np.int64) * (np.arange(m) + 1) // 2
-    i = np.searchsorted(starts, flat, side="right") - 1
-    j = flat - starts[i] + i + 1
-    return i.astype(np.int64), j.astype(np.int64)
