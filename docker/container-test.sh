@@ -37,8 +37,13 @@ cleanup() {
       $PODMAN rmi --force "$REDIS_IMAGE" "$PYTHON_IMAGE" "$DEBIAN_IMAGE" >/dev/null 2>&1 || true
     fi
     # the build's untagged intermediate images: the dangling ones that were not there before
-    comm -13 <(printf '%s\n' "$dangling_before" | sort) <(dangling | sort) \
-      | xargs -r $PODMAN rmi --force >/dev/null 2>&1 || true
+    # (a prune, much faster, where there were none)
+    if [ -z "$dangling_before" ]; then
+      $PODMAN image prune --force >/dev/null 2>&1 || true
+    else
+      comm -13 <(printf '%s\n' "$dangling_before" | sort) <(dangling | sort) \
+        | xargs -r $PODMAN rmi --force >/dev/null 2>&1 || true
+    fi
     # podman's own pod infra image, made for the pod (kept while another pod uses it)
     $PODMAN rmi "localhost/podman-pause:$($PODMAN version --format '{{.Client.Version}}')-0" >/dev/null 2>&1 || true
   fi
