@@ -367,6 +367,6 @@ def test_a_value_in_dotenv_reaches_every_reader(tmp_path, monkeypatch):
     assert sources.default_cache_dir() == tmp_path / "cache"
     assert redis_server_binary() == "/opt/redis-7/bin/redis-server"
     seen = {}
-    monkeypatch.setattr(cli, "_table", lambda args: seen.update(vars(args)) or 0)
+    monkeypatch.setattr(cli, "table_command", lambda args: seen.update(vars(args)) or 0)
     assert cli.main(["table"]) == 0
     assert seen["url"] == "http://10.1.2.3:9000" and seen["log_level"] == "warning"
