@@ -184,6 +184,13 @@ def _by_layer(rows: Iterable[Mapping], columns: Sequence[str]) -> tuple[np.ndarr
     return layers, cols
 
 
+def _layer_rows(rows) -> tuple[list[Mapping], np.ndarray]:
+    """The rows that name a layer, sorted by it, and their layers (float64)."""
+    kept = sorted((r for r in _rows(rows) if not math.isnan(_num(r.get("layer")))),
+                  key=lambda r: _num(r.get("layer")))
+    return kept, np.array([_num(r.get("layer")) for r in kept], dtype=np.float64)
+
+
 def _ratio(rows: Sequence[Mapping], num: str, den: str, key: str) -> np.ndarray:
     """Column ``key`` of the rows, or ``num / den`` where ``key`` is absent."""
     out = []
@@ -312,9 +319,7 @@ def decomposition(rows, model, fmt: str = "png") -> bytes:
     fmt : "png" or "svg".
     """
     _check_fmt(fmt)
-    rows = sorted((r for r in _rows(rows) if not math.isnan(_num(r.get("layer")))),
-                  key=lambda r: _num(r.get("layer")))
-    layers = np.array([_num(r.get("layer")) for r in rows], dtype=np.float64)
+    rows, layers = _layer_rows(rows)
     parts = [("M/Q", _ratio(rows, "M", "Q", "M/Q"), "M / Q (norm of the mean)"),
              ("V_W/Q", _ratio(rows, "V_W", "Q", "V_W/Q"), "V_W / Q (within token types)"),
              ("V_B/Q", _ratio(rows, "V_B", "Q", "V_B/Q"), "V_B / Q (between token types)")]
@@ -349,9 +354,7 @@ def within_ratio(rows, model, fmt: str = "png") -> bytes:
     fmt : "png" or "svg".
     """
     _check_fmt(fmt)
-    rows = sorted((r for r in _rows(rows) if not math.isnan(_num(r.get("layer")))),
-                  key=lambda r: _num(r.get("layer")))
-    layers = np.array([_num(r.get("layer")) for r in rows], dtype=np.float64)
+    rows, layers = _layer_rows(rows)
     ratio = _ratio(rows, "V_W", "V", "V_W/V")
     fig = _new_figure("within_ratio")
     ax = fig.add_subplot()
