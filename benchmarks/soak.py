@@ -550,6 +550,10 @@ class Soak:
         deadline = time.monotonic() + timeout
         loaded: dict = {}
         try:
+            # The API loads a model's tokenizer on its first read of that model (Gemma 3's
+            # costs about 750 MB of RSS): GET /v1/models loads every one, so a restarted
+            # API also holds them all before the RSS window.
+            http.request("GET", "/v1/models", "GET /v1/models")
             while time.monotonic() < deadline and not self.stop_load.is_set():
                 try:
                     workers = live_workers(client, 3 * HEARTBEAT_S + 2)

@@ -183,6 +183,10 @@ class Settings(BaseSettings):
         60.0, gt=0, description="A job idle this long is taken over from a silent worker"
     )
     heartbeat_seconds: float = Field(2.0, gt=0, description="Worker heartbeat period")
+    heap_trim_seconds: float = Field(
+        30.0, ge=0, description="Every this many seconds the API and each worker hand the free "
+                                "pages of their C heap back to the system (glibc malloc_trim), so "
+                                "RSS follows what they hold; 0: never")
     max_attempts: int = Field(3, ge=1, description="Deliveries before a job is dead-lettered")
     idempotency_ttl_seconds: int = Field(
         7 * 24 * 3600, ge=1, description="How long an Idempotency-Key names its job")

@@ -39,6 +39,7 @@ from embgeom.compute.engine import CountingRule, Engine
 from embgeom.compute.models import ModelPool, ModelRegistry
 from embgeom.compute.window import WindowAccumulator
 from embgeom.errors import EmbgeomError, JobFenced, StoreUnavailable
+from embgeom.heap import HeapTrimmer
 from embgeom.settings import Settings
 from embgeom.stats import WindowMoments
 from embgeom.store import keys as K
@@ -175,6 +176,7 @@ class Worker:
         applier = threading.Thread(target=self._applier_loop, name=f"applier-{self.id}", daemon=True)
         beat.start()
         applier.start()
+        trimmer = HeapTrimmer(self.settings.heap_trim_seconds, f"heap-{self.id}").start()
         try:
             self.queue.prune_consumers(self.models)
         except redis.RedisError as exc:
@@ -211,6 +213,7 @@ class Worker:
             applier.join(timeout=600)
             self._beat_stop.set()
             beat.join(timeout=5)
+            trimmer.stop()
             try:
                 self.r.zrem(K.WORKERS, self.id)
                 self.r.delete(K.worker(self.id))

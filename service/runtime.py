@@ -23,6 +23,7 @@ from typing import Optional
 import redis
 
 from embgeom.compute.models import ModelPool, ModelRegistry
+from embgeom.heap import HeapTrimmer
 from embgeom.lifetime import spawn
 from embgeom.settings import Settings
 from embgeom.store.collections import Collections
@@ -53,6 +54,7 @@ class Runtime:
     reader: Reader
     server: Optional[RedisServer] = None
     workers: list = field(default_factory=list)   # embedded worker processes
+    heap_trimmer: Optional[HeapTrimmer] = None
     _sync_pool: Optional[ModelPool] = None
     _sync_models: Optional[SyncModels] = None
     # Makes the sync pool and its loader once: two first requests made two pools (and
@@ -121,6 +123,7 @@ class Runtime:
                            settings.idempotency_ttl_seconds, settings.retention_seconds),
             collections=Collections(client), reader=Reader(), server=server,
         )
+        rt.heap_trimmer = HeapTrimmer(settings.heap_trim_seconds, "api-heap-trimmer").start()
         if server is not None:
             env = {**settings.worker_environment(), "EMBGEOM_REDIS_URL": url}
             for i in range(settings.embedded_workers):
@@ -135,6 +138,8 @@ class Runtime:
         return rt
 
     def close(self) -> None:
+        if self.heap_trimmer is not None:
+            self.heap_trimmer.stop()
         for proc in self.workers:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)

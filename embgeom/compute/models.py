@@ -7,7 +7,6 @@ happens on first use and a bounded LRU keeps the most recently used models.
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import logging
 import threading
@@ -22,6 +21,7 @@ import torch
 # thread-safe, and the API thread and a worker thread may both reach it first.
 from transformers import AutoConfig, AutoModel, AutoTokenizer
 
+from embgeom import heap
 from embgeom.errors import ModelLoadError, UnknownModel
 from embgeom.compute.positions import PaddedBatch
 from embgeom.settings import ModelSource, Settings
@@ -218,10 +218,7 @@ def _return_freed_memory(device: torch.device) -> None:
     process that loads and frees models in turn only grows)."""
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to trim
-        pass
+    heap.trim()
 
 
 class ModelPool:
