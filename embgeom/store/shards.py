@@ -230,28 +230,32 @@ class ShardWriter:
             pass  # the lease expires on its own
 
     def _read(self, parts, conf, cp, tokens, group, stats) -> dict:
+        """Markers, agg, bkt and the touched records of each part: one HMGET per piece
+        (rec, and unit with self-similarity), so no read carries more than a piece does."""
+        wanted = ("rec", "unit") if conf.self_similarity else ("rec",)
         with self.r.pipeline(transaction=False) as p:
             for part, pieces in group.items():
                 keys = parts.shard(*part)
-                ids = tokens.ids[np.concatenate([rows for _, rows in pieces])]
-                fields = [str(int(i)) for i in ids.tolist()]
                 p.hget(keys.applied, cp)
                 p.get(keys.agg)
                 p.hgetall(keys.bkt)
-                p.hmget(keys.rec, fields)
-                if conf.self_similarity:
-                    p.hmget(keys.unit, fields)
+                for _, rows in pieces:
+                    fields = [str(int(i)) for i in tokens.ids[rows].tolist()]
+                    for name in wanted:
+                        p.hmget(getattr(keys, name), fields)
             replies = iter(p.execute())
         state = {}
         for part, pieces in group.items():
             applied_raw = next(replies)
             applied = set() if applied_raw is None else {int(x) for x in applied_raw.split(b",")}
-            agg_raw, bkt_raw, rec_raw = next(replies), next(replies), next(replies)
-            unit_raw = next(replies) if conf.self_similarity else None
-            stats.bytes_read += sum(len(r) for r in rec_raw if r) + \
-                (sum(len(r) for r in unit_raw if r) if unit_raw else 0)
+            agg_raw, bkt_raw = next(replies), next(replies)
+            got = {name: [] for name in wanted}
+            for _ in pieces:
+                for name in wanted:
+                    got[name].extend(next(replies))
+            stats.bytes_read += sum(len(r) for values in got.values() for r in values if r)
             state[part] = {"pieces": pieces, "applied": applied, "agg": agg_raw, "bkt": bkt_raw,
-                        "rec": rec_raw, "unit": unit_raw}
+                           "rec": got["rec"], "unit": got.get("unit")}
         return state
 
     def _merge(self, conf: PairConf, cp, tokens: TokenMoments, state: dict, stats,
