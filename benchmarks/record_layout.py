@@ -45,6 +45,7 @@ SHAPES = {
     "mpnet_shape": (13, 768, None, True, 600),
     "1b_shape": (17, 2048, (0, 4, 8, 12, 16), False, 800),
     "7b_shape_5_layers": (33, 4096, (0, 8, 16, 24, 32), False, 300),
+    "7b_shape_all_layers": (33, 4096, None, False, 100),
 }
 PIECE_BYTES = 2 << 20  # the service's default (Settings.piece_bytes)
 
@@ -144,11 +145,12 @@ class Layout:
                           for name, v in self.reads.items()}}
 
 
-def measure_shape(r, shape: str, checkpoints: int, repeats: int = 3) -> list[dict]:
+def measure_shape(r, shape: str, checkpoints: int, repeats: int = 3,
+                  groupings=(None, 2, 1)) -> list[dict]:
     """Every grouping of ``shape`` side by side: checkpoints and reads interleaved (the
     order rotated each round), so a busy moment of the machine falls on all of them."""
     L = len(SHAPES[shape][2] or range(SHAPES[shape][0]))
-    layouts = [Layout(r, shape, per) for per in (None, 2, 1) if per is None or per < L]
+    layouts = [Layout(r, shape, per) for per in groupings if per is None or per < L]
     r.config_set("slowlog-log-slower-than", 1000)
     r.config_set("slowlog-max-len", 10000)
     for c in range(checkpoints):
@@ -160,7 +162,7 @@ def measure_shape(r, shape: str, checkpoints: int, repeats: int = 3) -> list[dic
     return [layout.result() for layout in layouts]
 
 
-def run(shapes: list[str], checkpoints: int) -> list[dict]:
+def run(shapes: list[str], checkpoints: int, groupings=(None, 2, 1)) -> list[dict]:
     from embgeom.store.connection import redis_client
     from embgeom.store.server import RedisServer
 
@@ -170,7 +172,7 @@ def run(shapes: list[str], checkpoints: int) -> list[dict]:
         server = RedisServer(folder / "redis").start(timeout=120)
         r = redis_client(server.url)
         try:
-            for res in measure_shape(r, shape, checkpoints):
+            for res in measure_shape(r, shape, checkpoints, groupings=groupings):
                 print(json.dumps(res), flush=True)
                 out.append(res)
         finally:
@@ -205,9 +207,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default="minilm,1b_shape")
     ap.add_argument("--checkpoints", type=int, default=3)
+    ap.add_argument("--layers-per-group", default="all,2,1",
+                    help="groupings to compare: 'all' (one group) or layers per group")
     ap.add_argument("--json", default=None, help="write the results here too")
     args = ap.parse_args(argv)
-    results = run(args.shapes.split(","), args.checkpoints)
+    groupings = tuple(None if g == "all" else int(g) for g in args.layers_per_group.split(","))
+    results = run(args.shapes.split(","), args.checkpoints, groupings)
     print(table(results))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
