@@ -78,7 +78,9 @@ def apply_checkpoints(r, pair: PairKeys, conf: PairConf, checkpoints: int, seed:
 
 
 def stored_state(r, pair: PairKeys, conf: PairConf) -> list[dict]:
-    """Per shard: its records (ids, n, m2, mean) and its stored bucket rows and agg."""
+    """Per shard: its records (ids, n, m2, mean) and its stored bucket rows and agg (of a
+    pair whose layers are one layer group, as :func:`adversarial_conf`'s are)."""
+    assert len(conf.groups) == 1, "stored_state reads group 0's records only"
     L, d = conf.L, conf.d
     parts = pair.parts(conf.gen)
     out = []

@@ -1134,7 +1134,8 @@ def _growth(series: list[tuple[float, float]], start: float, end: float) -> dict
 
 def _family(key: str) -> Optional[tuple[str, str]]:
     """``(pair "c:m", family)`` of a key of the service's layout: ``eg:{c:m}:inflight`` ->
-    ("c:m", "control:inflight"); ``eg:{c:m:g:s3}:rec`` -> ("c:m", "shard:rec");
+    ("c:m", "control:inflight"); ``eg:{c:m:g:s3}:rec`` (and ``s3l1``, layer group 1) ->
+    ("c:m", "shard:rec");
     ``eg:{c:m:g:L2c0}:seg`` -> ("c:m", "chunk:seg"); ``h`` -> head."""
     m = re.match(r"eg:\{([^}]*)\}:?(.*)$", key)
     if not m:

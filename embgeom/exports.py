@@ -99,15 +99,16 @@ class Export:
         return int(self.ids.shape[0])
 
     def chunk_rows(self, budget: int = CHUNK_BYTES) -> int:
-        """Rows per chunk: what one chunk reads (unit sums and records are whole, all
-        layers, per key) stays within ``budget`` bytes."""
+        """Rows per chunk: what one chunk reads (unit sums and records are whole inside
+        Redis, every layer of the layer's group, per key) stays within ``budget`` bytes."""
         conf = self.state.conf
         per_row = 64
         if conf is not None:
+            L = conf.L if self.position is None else len(conf.groups[conf.group_of(self.position)[0]])
             if conf.self_similarity and not conf.stores_unit_norms:
-                per_row += 8 * conf.L * conf.d
+                per_row += 8 * L * conf.d
             if self.means:
-                per_row += 8 * (1 + conf.L + conf.L * conf.d) + 24 * conf.d
+                per_row += 8 * (1 + L + L * conf.d) + 24 * conf.d
         return int(min(MAX_CHUNK_ROWS, max(MIN_CHUNK_ROWS, budget // per_row)))
 
 

@@ -140,6 +140,12 @@ class Settings(BaseSettings):
     # four workers on two cores; 8 MiB pieces took 65 to 170 ms there, longer than the
     # 50 ms a read may wait behind one command.
     piece_bytes: int = Field(2 << 20, ge=1 << 16, description="Largest bytes one shard write carries")
+    # Token records are cut into groups of kept layers, each group's records within this
+    # (fixed per generation when its configuration is created); see record_layout.py.
+    record_bytes: int = Field(256 << 10, ge=1 << 12,
+                              description="Largest per-token record of one layer group of a new "
+                                          "(collection, model) pair (its layers are cut into groups "
+                                          "within it)")
     max_segments: int = Field(8, ge=1, description="Layer segments before they are folded")
     prefetch_jobs: int = Field(1, ge=1, description="Jobs prepared ahead of the device")
 

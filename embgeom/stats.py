@@ -191,6 +191,11 @@ class TokenMoments:
         return TokenMoments(self.ids[rows], self.n[rows], self.mean[rows], self.m2[rows],
                             None if self.unit_sum is None else self.unit_sum[rows])
 
+    def layers(self, span: slice) -> "TokenMoments":
+        """The kept layers ``span`` of every token (views, no copy): mean (k, P, d)."""
+        return TokenMoments(self.ids, self.n, self.mean[:, span], self.m2[:, span],
+                            None if self.unit_sum is None else self.unit_sum[:, span])
+
 
 @dataclass
 class LayerMoments:

@@ -339,7 +339,7 @@ class Worker:
         return self.collections.ensure_conf(pair, PairConf.resolve(
             settings, gen, info.num_layers + 1, info.hidden_size, len(tokenizer),
             self.settings.shards, self.settings.chunk_bytes, info.architecture, time.time(),
-            window_tokens=info.max_length))
+            window_tokens=info.max_length, record_bytes=self.settings.record_bytes))
 
     def engine(self, conf: PairConf, model: str):
         """The engine of ``model`` under the pair's counting rule (cheap: built once per

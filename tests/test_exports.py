@@ -35,17 +35,27 @@ TEXTS = [p for p in bbc_texts("paragraphs") if 40 <= len(p) <= 200][200:260]
 FIELDS = ("token_id", "token", "n", "Q", "M", "V", "self_similarity")
 
 
-@pytest.fixture(scope="module")
-def service(tmp_path_factory) -> Iterator[tuple[TestClient, str]]:
+# Each test runs on a pair whose token records are one layer group (the default for
+# MiniLM) and on one cut into a group per layer (record_bytes=4096): every read path of
+# an export (scalars joined across groups, one group's means) on both layouts.
+LAYOUTS = {"one_group": {}, "group_per_layer": {"record_bytes": 4096}}
+SEEN: dict = {}  # layout -> the JSON token endpoint's rows, to compare the layouts
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def service(request, tmp_path_factory) -> Iterator[tuple[TestClient, str]]:
     tmp = tmp_path_factory.mktemp("exports")
     server = RedisServer(tmp / "redis").start()
-    settings = settings_for(server.url, checkpoint_seconds=0.2)
+    settings = settings_for(server.url, checkpoint_seconds=0.2, **LAYOUTS[request.param])
     try:
         with WorkerThread(settings), TestClient(create_app(settings)) as client:
             r = client.post("/v1/jobs", json={"collection": "exp", "model": "minilm", "texts": TEXTS})
             assert r.status_code == 202, r.text
             (status,) = wait_for_jobs(client, [r.json()["job_id"]], timeout=300)
             assert status["status"] == "done", status
+            conf = run_sync(redis_client(server.url), Reader().pair_state(PairKeys("exp", "minilm"))).conf
+            assert len(conf.groups) == (1 if request.param == "one_group" else conf.L)
+            SEEN[request.param] = walk_tokens(client)
             yield client, server.url
     finally:
         server.kill()
@@ -181,3 +191,21 @@ def test_bad_export_requests_are_4xx(service):
     check("/v1/collections/nowhere/models/minilm/layers/1/export", 404, "collection_not_found")
     check("/v1/collections/exp/models/mpnet/layers/1/export", 404, "model_not_in_collection")
     check("/v1/collections/exp/models/no-such/layers/1/export", 404, "unknown_model")
+
+
+def test_the_layouts_serve_the_same_tokens(service):
+    """The same texts into a one-group pair and a pair with a group per layer: the same
+    tokens and counts, and Q, M, V, self-similarity equal up to the merge order of the
+    windows (float64 rounding)."""
+    if len(SEEN) < len(LAYOUTS):
+        pytest.skip("runs once both layouts were served")
+    one, grouped = SEEN["one_group"], SEEN["group_per_layer"]
+    assert one.keys() == grouped.keys()
+    for k, a in one.items():
+        b = grouped[k]
+        assert (a["n"], a["token"]) == (b["n"], b["token"])
+        for f in ("Q", "M", "V", "self_similarity"):
+            if a[f] is None:  # self-similarity of a token seen once
+                assert b[f] is None, (k, f)
+            else:
+                assert b[f] == pytest.approx(a[f], rel=1e-9, abs=1e-12), (k, f)

@@ -363,3 +363,94 @@ def test_bounded_cache_is_least_recently_used():
     cache.discard("b")  # absent: no error
     cache.discard("a")
     assert len(cache) == 1 and cache.get("a", "none") == "none"
+
+
+class Recording:
+    """A client whose pipelines record every command a plan sends (then run it)."""
+
+    def __init__(self, client):
+        self.client, self.commands = client, []
+
+    def pipeline(self, transaction=False):
+        pipe, commands = self.client.pipeline(transaction=transaction), self.commands
+
+        class Pipe:
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                pipe.reset()
+
+            def __getattr__(self, name):
+                def call(*args):
+                    commands.append((name, *args))
+                    return getattr(pipe, name)(*args)
+                return call
+
+            def execute(self):
+                return pipe.execute()
+        return Pipe()
+
+
+def value_bytes_touched(r, commands) -> dict:
+    """Stored bytes of the hash values each recorded script read inside Redis, by key:
+    the named fields of a sliced read (SLICES), every field of a scanned hash (SCAN_SLICES,
+    each value visited once however many pages)."""
+    from embgeom.store.scripts import SCAN_SLICES, SLICES
+    out: dict = {}
+    for name, *args in commands:
+        if name != "execute_command" or args[0] != "EVAL":
+            continue
+        source, key, rest = args[1], args[3], args[4:]
+        if source == SLICES.source:
+            fields = rest[1 + 2 * int(rest[0]):]
+            out[key] = out.get(key, 0) + sum(r.hstrlen(key, f) for f in fields)
+        elif source == SCAN_SLICES.source:
+            out[key] = sum(r.hstrlen(key, f) for f in r.hkeys(key))
+    return out
+
+
+def test_a_read_of_one_layer_touches_only_its_group(r):
+    """With records cut into layer groups (here 4 groups of 3 layers), a read of one
+    layer's means (a scan, and the records of some keys) reads inside Redis only that
+    group's records, ~ d values a token per layer of the group instead of L d; the values
+    are those of the one-group layout and of the raw points, and a token page is too."""
+    one, keys, x = stored_pair(r, "onegroup", types=200, points=900, seed=3)
+    pair = K.PairKeys("fourgroups", "m")
+    per_layer = 8 * (2 * D + 4)  # rec, unit and scal bytes of one layer (self-similarity)
+    conf = PairConf.resolve(CollectionSettings(), 0, L, D, 10**6, 4, 4096,
+                            record_bytes=16 + 3 * per_layer)
+    assert conf.groups == ((0, 1, 2), (3, 4, 5), (6, 7, 8), (9, 10, 11))
+    conf = Collections(r).ensure_conf(pair, conf)
+    rng = np.random.default_rng(3)
+    keys2 = np.r_[np.arange(200), rng.integers(0, 200, size=700)]
+    _, tok, lay = points_window(rng, keys2, shape=(L, D))
+    np.testing.assert_array_equal(keys2, keys)  # the same points as the one-group pair
+    checkpoint(r, pair, conf, tok, lay, held_jobs(r, pair, 1), piece_tokens=64)
+    r.sadd(K.PAIRS, pair.pair)
+    layer, k = 7, 200
+    rd = Reader()
+    got, touched = {}, {}
+    for p in (one, pair):
+        state = run_sync(r, rd.pair_state(p))
+        rec = Recording(r)
+        scan = run_sync(rec, rd.means(state, [layer]))
+        some = run_sync(rec, rd.means_of(state, np.arange(0, k, 3), [layer]))
+        got[p.pair], touched[p.pair] = (scan, some), value_bytes_touched(r, rec.commands)
+    for a, b in zip(got[one.pair], got[pair.pair]):
+        for u, v in zip(a, b):
+            np.testing.assert_array_equal(u, v)
+    ids, n, m2, mean = got[pair.pair][0]
+    want = np.stack([x[keys == i, layer].mean(0) for i in ids])
+    np.testing.assert_allclose(mean[:, 0], want, rtol=0, atol=1e-12 * np.abs(x).max())
+    # Only group 2's rec hashes (tag ...:s<s>l2}), and their values are 3 layers wide.
+    assert all(":s" in key and key.split(":s")[1].split("}")[0].endswith("l2")
+               for key in touched[pair.pair]), touched[pair.pair]
+    grouped, whole = sum(touched[pair.pair].values()), sum(touched[one.pair].values())
+    reads = k + len(range(0, k, 3))  # records visited: the scan's and the point reads'
+    assert grouped == reads * 8 * (1 + 3 * (1 + D))
+    assert whole == reads * 8 * (1 + L * (1 + D))  # every layer's record: 4x as many bytes
+    # A token page of the grouped pair (scalars joined across groups) is the reference.
+    page = run_sync(r, reports.token_page(rd, pair, layer, VocabTokenizer(), limit=k))
+    assert_page_matches(page, keys, x, layer)
+    assert page["tokens"] == run_sync(r, reports.token_page(rd, one, layer, VocabTokenizer(), limit=k))["tokens"]

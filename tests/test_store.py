@@ -10,6 +10,7 @@ and the layer segments, before the completion) and the checkpoint is then redeli
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 
@@ -118,11 +119,23 @@ def r(redis_server):
     client.close()
 
 
-def make_conf(r, pair, shards=4, chunk_bytes=100, self_similarity=True):
+# Per-token record bytes (Settings.record_bytes) giving L = 3 layers of D = 5 in one layer
+# group (the default), in two (2 + 1 layers: 112 bytes a layer with self-similarity) and
+# in three (one layer each).
+RECORD_BYTES = {1: 256 << 10, 2: 16 + 2 * 112, 3: 16 + 112}
+
+
+def make_conf(r, pair, shards=4, chunk_bytes=100, self_similarity=True, groups=1):
     conf = PairConf.resolve(CollectionSettings(self_similarity=self_similarity), 0, L, D, 10**9,
-                            shards, chunk_bytes)
+                            shards, chunk_bytes, record_bytes=RECORD_BYTES[groups])
     assert len(conf.chunks) > 2  # several co-moment chunks per layer are exercised
+    assert len(conf.groups) == groups
     return Collections(r).ensure_conf(pair, conf)
+
+
+def applied_parts(r, pair, conf, cp) -> int:
+    """(shard, layer group) parts holding a piece of checkpoint ``cp``."""
+    return sum(r.hexists(keys.applied, cp) for *_, keys in pair.parts(conf.gen).shard_parts(conf))
 
 
 def held_jobs(r, pair, count):
@@ -269,12 +282,13 @@ class CrashingShards(ShardWriter):
         return super()._write(*args, **kwargs)
 
 
-@pytest.mark.parametrize("crash_after", [0, 1, 3])
-def test_checkpoint_redelivered_after_some_shards_counts_once(r, crash_after):
-    """A worker dies mid-checkpoint (after some shards' pieces); the next delivery of one
-    of its jobs adopts the checkpoint, recomputes it and applies only what is missing."""
-    pair = K.PairKeys(f"crash{crash_after}", "m")
-    conf = make_conf(r, pair)
+@pytest.mark.parametrize("crash_after,groups", [(0, 1), (1, 1), (3, 1), (1, 3), (4, 3), (5, 2)])
+def test_checkpoint_redelivered_after_some_shards_counts_once(r, crash_after, groups):
+    """A worker dies mid-checkpoint (after some parts' pieces: a shard may have some of
+    its layer groups written and not the others); the next delivery of one of its jobs
+    adopts the checkpoint, recomputes it and applies only what is missing."""
+    pair = K.PairKeys(f"crash{crash_after}g{groups}", "m")
+    conf = make_conf(r, pair, groups=groups)
     rng = np.random.default_rng(2)
     # An earlier checkpoint first: the crashed one moves tokens between count buckets and
     # adds to unit sums already stored, so a piece redone or skipped wrongly shows there.
@@ -286,13 +300,13 @@ def test_checkpoint_redelivered_after_some_shards_counts_once(r, crash_after):
     jobs = held_jobs(r, pair, 3)
     dying = Checkpointer(r, "dying", lease_ms=200)
     dying.shards = CrashingShards(r, "dying", lock_ms=200, after=crash_after)
-    dying.shards.group_bytes = 1  # one shard per round: the crash lands between shards
+    dying.shards.group_bytes = 1  # one part per round: the crash lands between parts
     cp = new_checkpoint_id()
     assert dying.seal(pair, 0, cp, jobs, pair.jobs, 3).status == "sealed"
     with pytest.raises(Crash):
         dying.apply_and_complete(pair, conf, cp, WindowMoments(tok, lay), jobs, 3)
-    applied = sum(len(r.hget(pair.parts(0).shard(s).applied, cp) or b"") > 0 for s in range(conf.shards))
-    assert applied == crash_after
+    assert applied_parts(r, pair, conf, cp) == crash_after
+    crashed_pieces = Checkpointer(r, "x").progress(pair, {"gen": 0, "cp": cp})
     assert r.zcard(pair.inflight) == 1  # sealed, not complete: never abandoned
 
     # The job comes back; its delivery names the checkpoint; the adopter takes it over
@@ -306,8 +320,12 @@ def test_checkpoint_redelivered_after_some_shards_counts_once(r, crash_after):
     out = adopter.apply_and_complete(pair, conf, cp, WindowMoments(tok, lay), again,
                                      record["piece_tokens"])
     assert out.status == "completed"
-    total_pieces = len(pieces_of(tok.ids, conf, 3))
+    total_pieces = len(pieces_of(tok.ids, conf, 3)) * groups  # each piece once per group
     assert out.shards.pieces + out.shards.pieces_skipped == total_pieces
+    # Progress (what adoption compares) counts each part's pieces: the crashed run's are
+    # exactly those skipped, and in the end every piece of every group is marked once.
+    assert out.shards.pieces_skipped == crashed_pieces
+    assert adopter.applied(pair, conf, cp)[0] == total_pieces
     assert (out.shards.pieces_skipped > 0) == (crash_after > 0)
     both = reference(np.concatenate([keys0, keys]), np.concatenate([x0, x]))
     assert_matches(r, pair, both)
@@ -364,9 +382,10 @@ def test_two_writers_on_the_same_shards_both_count(r):
     assert state.version == 6
 
 
-def test_deleted_generation_refuses_late_writes_and_voids_the_jobs(r):
-    pair = K.PairKeys("gone", "m")
-    conf = make_conf(r, pair)
+@pytest.mark.parametrize("groups", [1, 3])
+def test_deleted_generation_refuses_late_writes_and_voids_the_jobs(r, groups):
+    pair = K.PairKeys(f"gone{groups}", "m")
+    conf = make_conf(r, pair, groups=groups)
     rng = np.random.default_rng(5)
     x, tok, lay = points_window(rng, rng.integers(0, 10, size=30))
     checkpoint(r, pair, conf, tok, lay, held_jobs(r, pair, 1))
@@ -377,12 +396,15 @@ def test_deleted_generation_refuses_late_writes_and_voids_the_jobs(r):
     r.sadd(K.PAIRS, pair.pair)
     Collections(r).delete_pair(pair)  # DELETE lands mid-checkpoint
     assert int(r.get(pair.gen)) == 1
-    assert not r.exists(pair.parts(0).shard(0).rec)
+    every = pair.parts(0).shard_parts(conf)
+    assert len(every) == conf.shards * groups
+    assert not any(r.exists(keys.rec) or r.exists(keys.scal) for *_, keys in every)
+    assert all(r.exists(keys.dead) for *_, keys in every)
     out = cpr.apply_and_complete(pair, conf, cp, WindowMoments(tok, lay), jobs, 3)
     assert out.status == "void"
     assert cpr.complete(pair, conf, cp, jobs, [])[0] == "already"
     assert r.hget(pair.job(jobs[0].job_id), "status") == b"failed"
-    assert not r.exists(pair.parts(0).shard(0).rec)  # nothing resurrected
+    assert not any(r.exists(keys.rec) for *_, keys in every)  # nothing resurrected
 
 
 def test_stale_in_flight_check_is_refused(r):
@@ -400,19 +422,21 @@ def test_stale_in_flight_check_is_refused(r):
     assert not r.exists(pair.parts(0).shard(0).rec)  # refused before writing a byte
 
 
-def test_markers_are_pruned_after_the_horizon(r):
-    pair = K.PairKeys("prune", "m")
-    conf = make_conf(r, pair)
+@pytest.mark.parametrize("groups", [1, 3])
+def test_markers_are_pruned_after_the_horizon(r, groups):
+    pair = K.PairKeys(f"prune{groups}", "m")
+    conf = make_conf(r, pair, groups=groups)
     rng = np.random.default_rng(7)
     _, tok, lay = points_window(rng, rng.integers(0, 10, size=30))
     cpr = Checkpointer(r, "w", horizon_ms=400)
     cp, _ = checkpoint(r, pair, conf, tok, lay, held_jobs(r, pair, 1), cpr=cpr)
     assert cpr.prune(pair, conf) == 0  # completed just now: its markers are still needed
     shards = sorted(set(shard_of(tok.ids, conf.shards).tolist()))
-    assert all(r.hexists(pair.parts(0).shard(s).applied, cp) for s in shards)
+    assert all(r.hexists(pair.parts(0).shard(s, g).applied, cp) for s in shards for g in range(groups))
+    assert applied_parts(r, pair, conf, cp) == len(shards) * groups
     time.sleep(0.45)
     assert cpr.prune(pair, conf) == 1
-    assert not any(r.hexists(pair.parts(0).shard(s).applied, cp) for s in range(conf.shards))
+    assert applied_parts(r, pair, conf, cp) == 0
     assert r.zcard(pair.done) == 0
 
 
@@ -568,3 +592,138 @@ def test_head_reads_do_not_depend_on_redis_hash_order():
     # the order matters to the bits: merging in the other order is not the same
     c = merge_head([codec.from_head(v, L_, d_) for v in reversed_fields.values()], L_, d_)
     assert not all(np.array_equal(a[k], c[k]) for k in ("mean", "m2"))
+
+
+
+def test_layer_groups_read_as_the_reference_and_as_one_group(r):
+    """The same windows into pairs whose records are cut into 1, 2 and 3 layer groups:
+    every read (scalars, scans, point reads, buckets, aggregates, unit sums, a token,
+    filtered decompositions) equals the two-pass reference, and the grouped layouts give
+    the very same float64 values as the one-group layout (each layer's merge is the same
+    arithmetic, wherever its record lives)."""
+    rng = np.random.default_rng(11)
+    keys = [rng.integers(0, 40, size=90 + 7 * w) for w in range(3)]
+    windows = [points_window(rng, k) for k in keys]
+    pairs = {}
+    for groups in (1, 2, 3):
+        pairs[groups] = pair = K.PairKeys(f"groups{groups}", "m")
+        conf = make_conf(r, pair, groups=groups)
+        for _, tok, lay in windows:
+            checkpoint(r, pair, conf, tok, lay, held_jobs(r, pair, 1))
+    ref = reference(np.concatenate(keys), np.concatenate([w[0] for w in windows]))
+    rd = Reader()
+    reads = {}
+    for groups, pair in pairs.items():
+        assert_matches(r, pair, ref)
+        state = run_sync(r, rd.pair_state(pair))
+        parts = pair.parts(0)
+        # Group k's records hold its layers only: 1 + L_k + L_k D floats.
+        for g, members in enumerate(state.conf.groups):
+            widths = {len(raw) for s in range(state.conf.shards) for raw in r.hvals(parts.shard(s, g).rec)}
+            assert widths == {8 * (1 + len(members) * (1 + D))}, (groups, g, widths)
+        scal = run_sync(r, rd.scalars(state))
+        reads[groups] = {"scal": (scal.ids, scal.n, scal.M, scal.m2, scal.unit_norms),
+                         "means": run_sync(r, rd.means(state, [2, 0])),
+                         "means_of": run_sync(r, rd.means_of(state, [3, 10**6, 17], [1, 2])),
+                         "token": run_sync(r, rd.token(pair, 17))[1],
+                         "aggs": run_sync(r, rd.aggs(state)),
+                         "buckets": [run_sync(r, rd.buckets(state, [b], [2, 1])) for b in range(6)],
+                         "units": run_sync(r, rd.units(state, [3, 17], 2)),
+                         "rows": run_sync(r, layer_rows(rd, pair, None, CountFilter(2),
+                                                        with_summary=False))[0]}
+    for groups in (2, 3):
+        a, b = reads[1], reads[groups]
+        for key in ("scal", "means", "means_of", "token"):
+            for x, y in zip(a[key], b[key]):
+                np.testing.assert_array_equal(x, y, err_msg=key)
+        assert (a["aggs"]["types"], a["aggs"]["count"]) == (b["aggs"]["types"], b["aggs"]["count"])
+        np.testing.assert_array_equal(a["aggs"]["within"], b["aggs"]["within"])
+        for x, y in zip(a["buckets"], b["buckets"]):
+            assert (x["types"], x["count"]) == (y["types"], y["count"])
+            np.testing.assert_array_equal(x["vector"], y["vector"])
+        for x, y in zip(a["units"], b["units"]):
+            np.testing.assert_array_equal(x, y)
+        assert a["rows"] == b["rows"]
+
+
+def test_a_configuration_stored_before_layer_groups_keeps_its_layout(r):
+    """A generation whose stored configuration has no ``layer_groups`` (written before
+    they existed) is one group of every layer, in exactly the keys it was written in
+    (``{c:m:g:s<s>}``, records of all L layers): read and written with no migration."""
+    pair = K.PairKeys("before", "m")
+    conf = PairConf.resolve(CollectionSettings(), 0, L, D, 10**9, 4, 100,
+                            record_bytes=RECORD_BYTES[3])
+    old = json.loads(conf.to_json())
+    del old["layer_groups"]
+    conf = Collections(r).ensure_conf(pair, PairConf.from_json(json.dumps(old)))
+    assert conf.groups == (tuple(range(L)),)
+    rng = np.random.default_rng(12)
+    keys = [rng.integers(0, 30, size=80) for _ in range(2)]
+    windows = [points_window(rng, k) for k in keys]
+    for _, tok, lay in windows:
+        checkpoint(r, pair, conf, tok, lay, held_jobs(r, pair, 1))
+    tags = {k.decode().split("}")[0] + "}" for k in r.keys("eg:{before:m:0:s*")}
+    assert tags == {f"eg:{{before:m:0:s{s}}}" for s in range(conf.shards)}
+    rec = [v for s in range(conf.shards) for v in r.hvals(pair.parts(0).shard(s).rec)]
+    assert {len(v) for v in rec} == {8 * (1 + L + L * D)}
+    assert_matches(r, pair, reference(np.concatenate(keys), np.concatenate([w[0] for w in windows])))
+
+
+def test_layer_groups_follow_the_record_bytes():
+    """Groups are contiguous, balanced, cover every layer once and stay within the byte
+    target: MiniLM and MPNet shapes stay one group at the default, a 33 x 4096 one does not."""
+    from embgeom.settings import Settings
+    from embgeom.store.conf import layer_bytes, layer_groups_for
+    target = Settings().record_bytes
+    for L_, d_, selfsim, groups in ((7, 384, True, 1), (13, 768, True, 1), (33, 4096, True, None),
+                                    (5, 2048, False, 1), (33, 4096, False, None)):
+        got = layer_groups_for(L_, d_, selfsim, target)
+        assert [p for g in got for p in g] == list(range(L_))
+        sizes = [len(g) for g in got]
+        assert max(sizes) - min(sizes) <= 1
+        assert 16 + max(sizes) * layer_bytes(d_, selfsim) <= target or max(sizes) == 1
+        if groups is not None:
+            assert len(got) == groups, (L_, d_, got)
+        else:
+            assert len(got) > 1
+            # the fewest groups: one fewer would not fit
+            assert 16 + -(-L_ // (len(got) - 1)) * layer_bytes(d_, selfsim) > target
+
+
+def test_a_token_half_applied_across_groups_reads_each_layer_at_its_own_count(r):
+    """A worker dies after writing one (shard, group) part of a checkpoint: that group's
+    layers of the shard's tokens hold both windows, their other layers the first only.
+    Each layer's V (m2 / n) is read at that layer's own count, against the raw points."""
+    pair = K.PairKeys("half", "m")
+    conf = make_conf(r, pair, groups=3)
+    rng = np.random.default_rng(13)
+    keys0, keys1 = rng.integers(0, 30, size=120), rng.integers(0, 30, size=120)
+    x0, tok0, lay0 = points_window(rng, keys0)
+    x1, tok1, lay1 = points_window(rng, keys1)
+    checkpoint(r, pair, conf, tok0, lay0, held_jobs(r, pair, 1))
+    jobs = held_jobs(r, pair, 1)
+    dying = Checkpointer(r, "dying")
+    dying.shards = CrashingShards(r, "dying", after=1)
+    dying.shards.group_bytes = 1  # one part per round
+    cp = new_checkpoint_id()
+    dying.seal(pair, 0, cp, jobs, pair.jobs, 3)
+    with pytest.raises(Crash):
+        dying.apply_and_complete(pair, conf, cp, WindowMoments(tok1, lay1), jobs, 3)
+    ((s_done, g_done),) = [(s, g) for s, g, keys in pair.parts(0).shard_parts(conf)
+                           if r.hexists(keys.applied, cp)]
+    state = run_sync(r, Reader().pair_state(pair))
+    scal = run_sync(r, Reader().scalars(state))
+    first, both = reference(keys0, x0), reference(np.r_[keys0, keys1], np.r_[x0, x1])
+    in_part = shard_of(scal.ids, conf.shards) == s_done
+    assert in_part.any() and not in_part.all()
+    for p in range(L):
+        g, _ = conf.group_of(p)
+        _, V, _ = scal.at(p)
+        for j, key in enumerate(scal.ids):
+            ref = both if (in_part[j] and g == g_done) else first
+            if key not in ref["ids"]:
+                continue
+            i = int(np.searchsorted(ref["ids"], key))
+            # a token new in the half-applied checkpoint is counted by group 0 only
+            if not (ref is first and key not in first["ids"]):
+                assert V[j] == pytest.approx(ref["m2"][i, p] / ref["n"][i], rel=1e-9), (p, key)

@@ -246,20 +246,24 @@ class Checkpointer:
 
     def applied(self, pair: PairKeys, conf: PairConf, cp: str) -> tuple[int, int, int]:
         """``(pieces, shards, layer parts)`` of the stores holding part of checkpoint ``cp``
-        (its applied markers and segments; one pipeline, across slots)."""
+        (its applied markers and segments; one pipeline, across slots). Pieces count once
+        per layer group they were applied to; shards once however many groups hold them."""
         parts = pair.parts(conf.gen)
         targets = layer_parts(parts, conf)
+        token_parts = parts.shard_parts(conf)
         with self.r.pipeline(transaction=False) as p:
-            for s in range(conf.shards):
-                p.hget(parts.shard(s).applied, cp)
+            for *_, keys in token_parts:
+                p.hget(keys.applied, cp)
             for *_, keys in targets:
                 p.hexists(keys.seg, cp)
                 p.hexists(keys.folded, cp)
             replies = p.execute()
-        marks = [m for m in replies[:conf.shards] if m]
-        flags = replies[conf.shards:]
+        marks = replies[:len(token_parts)]
+        flags = replies[len(token_parts):]
         heads = sum(bool(a or b) for a, b in zip(flags[0::2], flags[1::2]))
-        return sum(len(m.split(b",")) for m in marks), len(marks), heads
+        pieces = sum(len(m.split(b",")) for m in marks if m)
+        shards = len({s for (s, _, _), m in zip(token_parts, marks) if m})
+        return pieces, shards, heads
 
     def retry_dead(self, pair: PairKeys, cp: str) -> str:
         """Put a dead-lettered checkpoint back in flight (after its cause was fixed): its
@@ -347,7 +351,8 @@ class Checkpointer:
 
     def complete(self, pair: PairKeys, conf: PairConf, cp: str, jobs: list[Held],
                  touched: list[int]) -> tuple[str, int]:
-        member = json.dumps({"cp": cp, "gen": conf.gen, "shards": touched}, separators=(",", ":"))
+        member = json.dumps({"cp": cp, "gen": conf.gen, "shards": touched,
+                             "groups": len(conf.groups)}, separators=(",", ":"))
         keys = [pair.gen, pair.inflight, pair.checkpoint(cp), pair.meta, pair.done]
         keys += [pair.job(j.job_id) for j in jobs] + [pair.payload(j.job_id) for j in jobs]
         status, version = COMPLETE(self.r, keys, [cp, member, self.retention_seconds,
@@ -366,7 +371,9 @@ class Checkpointer:
                 m = json.loads(raw)
                 parts = pair.parts(m["gen"])
                 for s in m["shards"]:
-                    p.hdel(parts.shard(s).applied, m["cp"])
+                    # A member written before groups: its generation has one group.
+                    for g in range(m.get("groups", 1)):
+                        p.hdel(parts.shard(s, g).applied, m["cp"])
                 if m["gen"] == conf.gen:
                     for *_, keys in layer_parts(parts, conf):
                         p.hdel(keys.folded, m["cp"])

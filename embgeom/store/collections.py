@@ -123,8 +123,7 @@ class Collections:
             return
         parts = pair.parts(gen)
         with self.r.pipeline(transaction=False) as p:
-            for s in range(conf.shards):
-                keys = parts.shard(s)
+            for *_, keys in parts.shard_parts(conf):
                 KILL_PART.queue(p, [keys.dead] + [getattr(keys, k) for k in K.SHARD_KEYS],
                                 [self.dead_ttl])
             for *_, keys in layer_parts(parts, conf):

@@ -10,14 +10,15 @@ generation.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Optional, Sequence
 
 import numpy as np
 
 from embgeom.errors import InvalidInput
 
-__all__ = ["KEYS", "UNITS", "PRESETS", "CollectionSettings", "PairConf", "shard_of", "chunk_rows"]
+__all__ = ["KEYS", "UNITS", "PRESETS", "CollectionSettings", "PairConf", "shard_of", "chunk_rows",
+           "layer_groups_for", "layer_bytes"]
 
 KEYS = ("id", "string")
 UNITS = ("token", "word")
@@ -102,6 +103,23 @@ def chunk_rows(d: int, chunk_bytes: int) -> tuple[int, ...]:
     return tuple(bounds)
 
 
+def layer_bytes(d: int, self_similarity: bool, unit_norms: bool = True) -> int:
+    """Bytes one kept layer adds to a token's records: m2 and the mean (d) in ``rec``,
+    M, m2 (and ``||U||^2``) in ``scal``, the unit sum (d) in ``unit`` with self-similarity."""
+    return 8 * ((1 + d) + (d if self_similarity else 0)
+                + (3 if self_similarity and unit_norms else 2))
+
+
+def layer_groups_for(L: int, d: int, self_similarity: bool,
+                     record_bytes: int) -> tuple[tuple[int, ...], ...]:
+    """Kept-layer positions ``0..L-1`` cut into the fewest contiguous groups whose per-token
+    records (:func:`layer_bytes` per layer, plus n) stay within ``record_bytes``, sizes
+    balanced (they differ by at most one); a group holds at least one layer."""
+    per = max(1, (record_bytes - 16) // layer_bytes(d, self_similarity))
+    count = -(-L // per)
+    return tuple(tuple(int(p) for p in g) for g in np.array_split(np.arange(L), count))
+
+
 @dataclass(frozen=True)
 class PairConf:
     """A pair's counting rule and storage geometry, fixed for one generation.
@@ -121,6 +139,12 @@ class PairConf:
     layers, an (L d) x (L d) matrix whose (i, j) block of d x d is the centred cross-moment
     of layers i and j (the exact layer-by-layer CKA), stored as the per-layer co-moment is,
     in upper-triangular row chunks bounded by ``chunk_bytes`` (``cross_chunks``).
+
+    ``layer_groups``: the kept-layer positions cut into contiguous groups
+    (:func:`layer_groups_for`), each with its own token-record parts
+    (:meth:`embgeom.store.keys.PartKeys.shard`), so a read of one layer touches one group's
+    records and a checkpoint piece carries one group's bytes. Empty in a configuration
+    stored before it was pinned: one group of every layer, the layout those were written in.
     """
 
     gen: int
@@ -141,10 +165,35 @@ class PairConf:
     scal_unit_norms: bool = False
     cross_layer: bool = False
     cross_chunks: tuple[int, ...] = ()
+    layer_groups: tuple[tuple[int, ...], ...] = ()
 
     @property
     def L(self) -> int:
         return len(self.layers)
+
+    @property
+    def groups(self) -> tuple[tuple[int, ...], ...]:
+        """Kept-layer positions of each layer group (one group of all when not pinned)."""
+        return self.layer_groups or (tuple(range(self.L)),)
+
+    def group_of(self, position: int) -> tuple[int, int]:
+        """``(group, position within the group)`` of a kept-layer position."""
+        for g, members in enumerate(self.groups):
+            if position in members:
+                return g, members.index(position)
+        raise ValueError(f"position {position} is not a kept layer")
+
+    def group_span(self, g: int) -> slice:
+        """Group g's positions as a slice of the layer axis (groups are contiguous)."""
+        members = self.groups[g]
+        return slice(members[0], members[-1] + 1)
+
+    def group_view(self, g: int) -> "PairConf":
+        """This configuration as seen by group g's records: its layers only, one group.
+        The token records of a group are laid out as those of a pair keeping only its
+        layers (:mod:`embgeom.store.codec`)."""
+        return replace(self, layers=tuple(self.layers[p] for p in self.groups[g]),
+                       layer_groups=())
 
     @property
     def stores_unit_norms(self) -> bool:
@@ -176,6 +225,7 @@ class PairConf:
         d = asdict(self)
         d["layers"], d["chunks"] = list(self.layers), list(self.chunks)
         d["cross_chunks"] = list(self.cross_chunks)
+        d["layer_groups"] = [list(g) for g in self.layer_groups]
         return json.dumps(d, sort_keys=True)
 
     @classmethod
@@ -183,14 +233,17 @@ class PairConf:
         d = json.loads(raw)
         d["layers"], d["chunks"] = tuple(d["layers"]), tuple(d["chunks"])
         d["cross_chunks"] = tuple(d.get("cross_chunks", ()))
+        # Absent in a configuration stored before groups: one group (today's layout).
+        d["layer_groups"] = tuple(tuple(g) for g in d.get("layer_groups", ()))
         return cls(**d)
 
     @classmethod
     def resolve(cls, settings: CollectionSettings, gen: int, num_hidden_states: int,
                 hidden_size: int, vocab_size: int, shards: int, chunk_bytes: int,
                 architecture: str = "", created_at: float = 0.0,
-                window_tokens: int = 0) -> "PairConf":
-        """The settings applied to one model; a layer the model lacks is refused."""
+                window_tokens: int = 0, record_bytes: int = 256 << 10) -> "PairConf":
+        """The settings applied to one model; a layer the model lacks is refused. Layer
+        groups are cut so a token's records of one group stay within ``record_bytes``."""
         layers = tuple(range(num_hidden_states)) if settings.layers is None else settings.layers
         missing = [l for l in layers if l >= num_hidden_states]
         if missing:
@@ -206,7 +259,9 @@ class PairConf:
                    created_at=created_at, window_tokens=window_tokens,
                    scal_unit_norms=settings.self_similarity, cross_layer=settings.cross_layer,
                    cross_chunks=chunk_rows(len(layers) * hidden_size, chunk_bytes)
-                   if settings.cross_layer else ())
+                   if settings.cross_layer else (),
+                   layer_groups=layer_groups_for(len(layers), hidden_size,
+                                                 settings.self_similarity, record_bytes))
 
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)

@@ -20,7 +20,10 @@ on that slot::
 The accumulators of generation g are *parts*, each with its own hash tag, so their slots
 spread over a cluster and checkpoints of different workers write them in parallel:
 
-- token shard s, tag ``{c:m:g:s<s>}`` (a token's shard is a hash of its key)::
+- token shard s and layer group k, tag ``{c:m:g:s<s>}`` for k = 0 and ``{c:m:g:s<s>l<k>}``
+  for k > 0 (a token's shard is a hash of its key; the groups are ``PairConf.groups``,
+  contiguous runs of kept layers; below, L is the number of layers *of the group* and
+  "per layer" means per layer of the group)::
 
     :rec      hash  key -> float64[1 + L + L d]   (n, m2 per layer, mean per layer)
     :unit     hash  key -> float64[L d]           unit-vector sums (only with self-similarity)
@@ -31,12 +34,23 @@ spread over a cluster and checkpoints of different workers write them in paralle
                     "c<bucket>" -> float64[L d], "cw" -> float64[L]: what float64 cannot
                     hold of the compensated running sums (of the vectors, of agg's within)
     :agg      string float64[2 + L]               (types, sum n_t, sum m2_t per layer)
-    :name     hash  key -> UTF-8 name                (hashed word keys >= 2**62 only, written
-                                                     with the key's first record: their
-                                                     names are not in the tokenizer)
+    :name     hash  key -> UTF-8 name                (group 0 only; hashed word keys >= 2**62
+                                                     only, written with the key's first
+                                                     record: their names are not in the
+                                                     tokenizer)
     :applied  hash  checkpoint id -> its pieces applied here ("0,1,...")
     :lock     string fencing token of the worker applying to this shard (PX lease)
     :dead     string set when the generation is deleted: later writes are refused
+
+  Each (shard, group) part is applied and locked on its own: a checkpoint's piece p of
+  shard s is the same tokens in every group, applied once per group. While a checkpoint
+  is being applied, a token's groups may differ by it (the reader reports ``applying``).
+
+  Layer groups and existing data: a generation's configuration stored before groups has
+  no ``layer_groups`` and reads as one group of every layer, whose parts are exactly the
+  keys above with k = 0 (``{c:m:g:s<s>}``, records of every layer): such a data folder is
+  read and written as it is, with no migration. Only a generation created since (a new
+  pair, or one after a DELETE) is cut into groups by ``Settings.record_bytes``.
 
 - the layer head, tag ``{c:m:g:h}``, co-moment chunk j of layer l, tag
   ``{c:m:g:L<l>c<j>}``, and (``cross_layer`` only) chunk j of the co-moment of all kept
@@ -167,8 +181,17 @@ class PartKeys:
         self.gen = int(gen)
         self._prefix = f"{pair.collection}:{pair.model}:{self.gen}"
 
-    def shard(self, s: int) -> PartTag:
-        return PartTag(f"{{{self._prefix}:s{s}}}")
+    def shard(self, s: int, group: int = 0) -> PartTag:
+        """Token shard s's part of layer group ``group``: tag ``{c:m:g:s<s>}`` for group 0
+        (the only group of a generation stored before groups, so its keys are unchanged),
+        ``{c:m:g:s<s>l<group>}`` for the others."""
+        return PartTag(f"{{{self._prefix}:s{s}}}" if group == 0
+                       else f"{{{self._prefix}:s{s}l{group}}}")
+
+    def shard_parts(self, conf) -> list[tuple[int, int, PartTag]]:
+        """``(shard, group, keys)`` of every token-record part of the generation."""
+        return [(s, g, self.shard(s, g)) for s in range(conf.shards)
+                for g in range(len(conf.groups))]
 
     @property
     def head(self) -> PartTag:

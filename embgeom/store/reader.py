@@ -11,8 +11,12 @@ no single command holds Redis for long.
 A read reports ``as_of``: the number of completed checkpoints (``version``), the time of
 the last one, and ``applying``, the checkpoints sealed and still being applied when it
 read. Parts are applied one after another, so while ``applying`` > 0 a read that spans
-several parts may see a checkpoint in some of them and not yet in others; every count of
-one token is always whole.
+several parts may see a checkpoint in some of them and not yet in others (a token's layer
+groups too: each layer's moments are whole, at that layer's count); every count of one
+token at one layer is always whole.
+
+A token's records are cut into layer groups (``PairConf.groups``, parts of their own): a
+read of some layers touches only their groups; a read of all layers gathers every group.
 """
 
 from __future__ import annotations
@@ -105,13 +109,18 @@ class PairState:
 class Scalars:
     """Per-token scalars of every token type: ids (k,), n (k,), M (k, L), m2 (k, L), and
     ``unit_norms`` ``||U||^2`` (k, L) of the unit sums, None for a pair without them
-    (self-similarity off, or a generation stored before scal records carried them)."""
+    (self-similarity off, or a generation stored before scal records carried them).
+
+    ``layer_n`` (k, L): the count each layer's M and m2 are at; it differs from ``n`` (the
+    first layer group's) only for a token whose layer groups a checkpoint being applied
+    has reached in part. None: ``n`` at every layer."""
 
     ids: np.ndarray
     n: np.ndarray
     M: np.ndarray
     m2: np.ndarray
     unit_norms: Optional[np.ndarray] = None
+    layer_n: Optional[np.ndarray] = None
 
     def unit_norms_at(self, position: int) -> Optional[np.ndarray]:
         """``||U||^2`` (k,) of every token at one kept layer, or None (see the class)."""
@@ -120,7 +129,7 @@ class Scalars:
     def at(self, position: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(M, V, Q) of every token at one kept layer (its position in ``conf.layers``)."""
         M = self.M[:, position]
-        V = self.m2[:, position] / self.n
+        V = self.m2[:, position] / (self.n if self.layer_n is None else self.layer_n[:, position])
         return M, V, M + V
 
 
@@ -193,6 +202,44 @@ def _by_shard(keys: np.ndarray, shards: int, per_call: int) -> list[tuple[int, n
         if len(g):
             out.extend((int(shard[g[0]]), g[i:i + per_call]) for i in range(0, len(g), per_call))
     return out
+
+
+def _by_group(conf: PairConf, positions: Sequence[int]) -> dict:
+    """Kept-layer ``positions`` by layer group, groups in order of first appearance:
+    ``{group: (indices into positions, positions within the group)}``."""
+    out: dict = {}
+    for i, p in enumerate(positions):
+        g, at = conf.group_of(int(p))
+        rows, ats = out.setdefault(g, ([], []))
+        rows.append(i)
+        ats.append(at)
+    return out
+
+
+def _join_scalars(by_group: list) -> Scalars:
+    """One :class:`Scalars` from each layer group's ``(ids sorted, from_scal(rows))``:
+    the tokens of the first group, each other group's columns aligned to them (zeros for
+    a token a checkpoint being applied has not reached there yet, at the first group's n)."""
+    ids, (n, M, m2, norms) = by_group[0]
+    if len(by_group) == 1:
+        return Scalars(ids, n, M, m2, norms)
+    Ms, m2s, norms_all, ns = [M], [m2], [norms], [np.broadcast_to(n[:, None], M.shape)]
+    for g_ids, (g_n, g_M, g_m2, g_norms) in by_group[1:]:
+        at = np.minimum(np.searchsorted(g_ids, ids), max(len(g_ids) - 1, 0))
+        hit = (g_ids[at] == ids) if len(g_ids) else np.zeros(len(ids), dtype=bool)
+
+        def aligned(a):
+            out = np.zeros((len(ids),) + a.shape[1:])
+            out[hit] = a[at[hit]]
+            return out
+        Ms.append(aligned(g_M))
+        m2s.append(aligned(g_m2))
+        norms_all.append(None if g_norms is None else aligned(g_norms))
+        g_count = np.where(hit, aligned(g_n), n)  # not there yet: zeros at the first group's n
+        ns.append(np.broadcast_to(g_count[:, None], (len(ids), g_M.shape[1])))
+    norms = None if any(x is None for x in norms_all) else np.concatenate(norms_all, axis=1)
+    return Scalars(ids, n, np.concatenate(Ms, axis=1), np.concatenate(m2s, axis=1), norms,
+                   layer_n=np.concatenate(ns, axis=1))
 
 
 def _decode_hash(raw: dict, width: int) -> tuple[np.ndarray, np.ndarray]:
@@ -287,15 +334,17 @@ class Reader:
                           conf.L, conf.d)
 
     def aggs(self, state: PairState) -> Plan:
-        """Summed shard aggregates: types, count, within (L,)."""
+        """Summed shard aggregates: types, count (of the first layer group), within (L,)
+        (each group's layers from its parts)."""
         conf = state.conf
-        parts = state.pair.parts(state.gen)
-        raws = yield [("get", parts.shard(s).agg) for s in range(conf.shards)]
-        total = np.zeros(2 + conf.L)
-        for raw in raws:
+        token_parts = state.pair.parts(state.gen).shard_parts(conf)
+        raws = yield [("get", keys.agg) for *_, keys in token_parts]
+        totals = [np.zeros(2 + len(members)) for members in conf.groups]
+        for (_, g, _), raw in zip(token_parts, raws):
             if raw:
-                total += np.frombuffer(raw, dtype=codec.F64)
-        return {"types": int(round(total[0])), "count": int(round(total[1])), "within": total[2:]}
+                totals[g] += np.frombuffer(raw, dtype=codec.F64)
+        return {"types": int(round(totals[0][0])), "count": int(round(totals[0][1])),
+                "within": np.concatenate([t[2:] for t in totals])}
 
     # ----------------------------------------------------------------- scalars
     def scalars(self, state: PairState) -> Plan:
@@ -306,36 +355,57 @@ class Reader:
         cached = self._scalars.get(state.pair.pair)
         if state.applying == 0 and cached is not None and cached[0] == at:
             return cached[1]
-        parts = state.pair.parts(state.gen)
-        raws = yield [("hgetall", parts.shard(s).scal) for s in range(conf.shards)]
-        ids, rows = zip(*(_decode_hash(raw, conf.scal_width) for raw in raws))
-        ids, rows = np.concatenate(ids), np.concatenate(rows)
-        order = np.argsort(ids, kind="stable")
-        ids, rows = ids[order], rows[order]
-        out = Scalars(ids, *codec.from_scal(rows, conf.L))
+        token_parts = state.pair.parts(state.gen).shard_parts(conf)
+        raws = yield [("hgetall", keys.scal) for *_, keys in token_parts]
+        by_group = []
+        for g in range(len(conf.groups)):
+            view = conf.group_view(g)
+            ids, rows = zip(*(_decode_hash(raw, view.scal_width)
+                              for (_, h, _), raw in zip(token_parts, raws) if h == g))
+            ids, rows = np.concatenate(ids), np.concatenate(rows)
+            order = np.argsort(ids, kind="stable")
+            by_group.append((ids[order], codec.from_scal(rows[order], view.L)))
+        out = _join_scalars(by_group)
         if state.applying == 0:
             self._scalars.put(state.pair.pair, (at, out))
         return out
 
     @staticmethod
     def _token_commands(parts, conf: PairConf, key: int) -> list:
-        shard = parts.shard(int(shard_of([key], conf.shards)[0]))
-        commands = [("hget", shard.scal, str(key))]
-        if conf.self_similarity and not conf.stores_unit_norms:  # a generation stored before
-            commands.append(("hget", shard.unit, str(key)))
+        """The scal record of ``key`` in each layer group (and, for a generation stored
+        before scal records held ``||U||^2``, its unit record)."""
+        s = int(shard_of([key], conf.shards)[0])
+        commands = []
+        for g in range(len(conf.groups)):
+            shard = parts.shard(s, g)
+            commands.append(("hget", shard.scal, str(key)))
+            if conf.self_similarity and not conf.stores_unit_norms:  # a generation stored before
+                commands.append(("hget", shard.unit, str(key)))
         return commands
 
     @staticmethod
     def _token_record(conf: PairConf, replies: list):
-        if replies[0] is None:
+        """``(n, M (L,), m2 (L,), ||U||^2 (L,) or None)`` from :meth:`_token_commands`'
+        replies, groups concatenated (n: the first group's); None if never seen."""
+        step = len(replies) // len(conf.groups)
+        if any(r is None for r in replies[0::step]):
             return None
-        n, M, m2, norms = codec.from_scal(np.frombuffer(replies[0], dtype=codec.F64)[None, :], conf.L)
-        if norms is not None:
-            norms = norms[0]
-        elif conf.self_similarity and replies[1] is not None:
-            unit = np.frombuffer(replies[1], dtype=codec.F64).reshape(conf.L, conf.d)
-            norms = np.einsum("ld,ld->l", unit, unit)
-        return int(round(n[0])), M[0], m2[0], norms
+        Ms, m2s, norms_all = [], [], []
+        for g in range(len(conf.groups)):
+            view, raw = conf.group_view(g), replies[g * step:(g + 1) * step]
+            n, M, m2, norms = codec.from_scal(np.frombuffer(raw[0], dtype=codec.F64)[None, :], view.L)
+            if g == 0:
+                count = int(round(n[0]))
+            if norms is not None:
+                norms = norms[0]
+            elif view.self_similarity and raw[1] is not None:
+                unit = np.frombuffer(raw[1], dtype=codec.F64).reshape(view.L, view.d)
+                norms = np.einsum("ld,ld->l", unit, unit)
+            Ms.append(M[0])
+            m2s.append(m2[0])
+            norms_all.append(norms)
+        norms = None if any(x is None for x in norms_all) else np.concatenate(norms_all)
+        return count, np.concatenate(Ms), np.concatenate(m2s), norms
 
     def token(self, pair: PairKeys, key: int) -> Plan:
         """``(state, record)``: the pair's state and one token's ``(n, M (L,), m2 (L,),
@@ -355,14 +425,15 @@ class Reader:
         conf = state.conf
         if not conf.self_similarity or len(keys) == 0:
             return [None] * len(keys)
-        present, rows = yield from self._sliced(state, "unit", keys, codec.unit_ranges(conf.d, [position]),
-                                                8 * conf.L * conf.d)
+        g, at = conf.group_of(position)
+        present, rows = yield from self._sliced(state, "unit", keys, codec.unit_ranges(conf.d, [at]),
+                                                8 * len(conf.groups[g]) * conf.d, group=g)
         return [row if p else None for p, row in zip(present.tolist(), rows)]
 
     @staticmethod
     def _sliced(state: PairState, part: str, keys: Sequence[int], ranges: list[tuple[int, int]],
-                record_bytes: int, step_bytes: int = 32 << 20) -> Plan:
-        """The records of ``keys`` in the shards' ``part`` hash ("rec", "unit"), each cut
+                record_bytes: int, step_bytes: int = 32 << 20, group: int = 0) -> Plan:
+        """The records of ``keys`` in layer group ``group``'s ``part`` hash ("rec", "unit"), each cut
         inside Redis to the byte ``ranges`` (:data:`embgeom.store.scripts.SLICES`):
         ``(present (k,) bool, rows (k, width) float64)``, row i for ``keys[i]``, zeros
         when absent. One script call per shard and group of keys (at most
@@ -381,7 +452,7 @@ class Reader:
         per_step = max(1, step_bytes // (8 * width * per_call))
         for i in range(0, len(calls), per_step):
             step = calls[i:i + per_step]
-            replies = yield [_script_command(SLICES, getattr(parts.shard(s), part),
+            replies = yield [_script_command(SLICES, getattr(parts.shard(s, group), part),
                                              args + [str(int(x)) for x in keys[g]]) for s, g in step]
             for (_, g), raws in zip(step, replies):
                 present[g], rows[g] = codec.unpack_rows(raws, width)
@@ -403,21 +474,28 @@ class Reader:
     # ----------------------------------------------------------------- buckets
     def buckets(self, state: PairState, buckets: Sequence[int],
                 positions: Optional[Sequence[int]] = None) -> Plan:
-        """Summed bucket aggregates over all shards: types, count, vector (P, d) at the
-        kept-layer ``positions`` (all kept layers when None); only those layers' bytes
-        leave Redis."""
+        """Summed bucket aggregates over all shards: types, count (of the first group read),
+        vector (P, d) at the kept-layer ``positions`` (all kept layers when None); only
+        those layers' groups are read, and only those layers' bytes leave Redis."""
         conf = state.conf
         parts = state.pair.parts(state.gen)
         pos = list(range(conf.L)) if positions is None else list(positions)
-        args = _range_args(codec.bkt_ranges(conf.d, pos)) + [str(int(b)) for b in buckets]
-        replies = yield [_script_command(SLICES, parts.shard(s).bkt, args) for s in range(conf.shards)]
-        total = np.zeros(2 + len(pos) * conf.d)
-        for reply in replies:
-            for raw in reply:
-                if raw is not None:
-                    total += np.frombuffer(raw, dtype=codec.F64)
-        return {"types": int(round(total[0])), "count": int(round(total[1])),
-                "vector": total[2:].reshape(len(pos), conf.d)}
+        asked = _by_group(conf, pos) or {0: ([], [])}  # no layer asked: the counts only
+        commands = []
+        for g, (_, at) in asked.items():
+            args = _range_args(codec.bkt_ranges(conf.d, at)) + [str(int(b)) for b in buckets]
+            commands += [_script_command(SLICES, parts.shard(s, g).bkt, args) for s in range(conf.shards)]
+        replies = iter((yield commands))
+        counts, vector = None, np.zeros((len(pos), conf.d))
+        for g, (rows, at) in asked.items():
+            total = np.zeros(2 + len(at) * conf.d)
+            for _ in range(conf.shards):
+                for raw in next(replies):
+                    if raw is not None:
+                        total += np.frombuffer(raw, dtype=codec.F64)
+            counts = total[:2] if counts is None else counts
+            vector[rows] = total[2:].reshape(len(at), conf.d)
+        return {"types": int(round(counts[0])), "count": int(round(counts[1])), "vector": vector}
 
     # ------------------------------------------------------------- covariance
     def covariance(self, state: PairState, position: int) -> Plan:
@@ -459,26 +537,38 @@ class Reader:
         """A scan of every token's record: ids (k,), n (k,), m2 (k, P), mean (k, P, d) at
         the kept-layer ``positions``, for tokens with ``keep(n)`` True (all when None).
 
-        HSCAN pages of ``page`` records per shard, all shards in one pipeline per step;
-        each record cut inside Redis to n and the asked layers
-        (:data:`embgeom.store.scripts.SCAN_SLICES`)."""
+        The first asked layer's group is scanned: HSCAN pages of ``page`` records per
+        shard, all shards in one pipeline per step, each record cut inside Redis to n and
+        the asked layers (:data:`embgeom.store.scripts.SCAN_SLICES`); the asked layers of
+        other groups are then read for the tokens kept (:meth:`_sliced`)."""
+        conf = state.conf
+        pos = list(positions)
+        (g, (rows, at)), *rest = _by_group(conf, pos).items()
+        ids, n, m2_g, mean_g = yield from self._scan(state, g, at, keep, page)
+        m2, mean = np.zeros((len(ids), len(pos))), np.zeros((len(ids), len(pos), conf.d))
+        m2[:, rows], mean[:, rows] = m2_g, mean_g
+        for g, (rows, at) in rest:
+            _, m2[:, rows], mean[:, rows] = yield from self._group_means(state, g, ids, at)
+        return ids, n, m2, mean
+
+    def _scan(self, state: PairState, g: int, at: Sequence[int], keep, page: int) -> Plan:
+        """:meth:`means` of layers ``at`` (positions within layer group g) of that group."""
         conf = state.conf
         parts = state.pair.parts(state.gen)
         d = conf.d
-        pos = list(positions)
-        ranges = codec.rec_ranges(conf.L, d, pos)
+        ranges = codec.rec_ranges(len(conf.groups[g]), d, at)
         width = sum(length for _, length in ranges) // 8
         args = _range_args(ranges)
         cursors = {s: 0 for s in range(conf.shards)}
         ids, ns, m2s, means = [], [], [], []
         while cursors:
             order = list(cursors)
-            replies = yield [_script_command(SCAN_SLICES, parts.shard(s).rec, [cursors[s], page] + args)
+            replies = yield [_script_command(SCAN_SLICES, parts.shard(s, g).rec, [cursors[s], page] + args)
                              for s in order]
             for s, (cursor, flat) in zip(order, replies):
                 if flat:
                     k_ids, rows = _decode_hash(dict(zip(flat[0::2], flat[1::2])), width)
-                    n, m2, mean = codec.from_rec(rows, len(pos), d)
+                    n, m2, mean = codec.from_rec(rows, len(at), d)
                     sel = np.ones(len(n), dtype=bool) if keep is None else keep(n)
                     ids.append(k_ids[sel])
                     ns.append(n[sel])
@@ -489,8 +579,8 @@ class Reader:
                 else:
                     cursors[s] = int(cursor)
         if not ids:
-            return (np.zeros(0, dtype=np.int64), np.zeros(0), np.zeros((0, len(pos))),
-                    np.zeros((0, len(pos), d)))
+            return (np.zeros(0, dtype=np.int64), np.zeros(0), np.zeros((0, len(at))),
+                    np.zeros((0, len(at), d)))
         ids, ns, m2s, means = (np.concatenate(x) for x in (ids, ns, m2s, means))
         order = np.argsort(ids, kind="stable")
         ids = ids[order]
@@ -498,6 +588,16 @@ class Reader:
         last = np.r_[ids[1:] != ids[:-1], True] if len(ids) else np.zeros(0, dtype=bool)
         order = order[last]
         return ids[last], ns[order], m2s[order], means[order]
+
+    def _group_means(self, state: PairState, g: int, keys: Sequence[int], at: Sequence[int],
+                     step_bytes: int = 32 << 20) -> Plan:
+        """n (k,), m2 (k, P), mean (k, P, d) of ``keys`` at positions ``at`` within layer
+        group g (zeros for a key the group does not hold)."""
+        conf = state.conf
+        size = len(conf.groups[g])
+        _, rows = yield from self._sliced(state, "rec", keys, codec.rec_ranges(size, conf.d, at),
+                                          8 * (1 + size + size * conf.d), step_bytes, group=g)
+        return codec.from_rec(rows, len(at), conf.d)
 
     def means_of(self, state: PairState, keys: Sequence[int], positions: Sequence[int],
                  step_bytes: int = 32 << 20) -> Plan:
@@ -509,7 +609,8 @@ class Reader:
         (:meth:`_sliced`, in steps of at most ``step_bytes``)."""
         conf = state.conf
         pos = list(positions)
-        _, rows = yield from self._sliced(state, "rec", keys, codec.rec_ranges(conf.L, conf.d, pos),
-                                          8 * (1 + conf.L + conf.L * conf.d), step_bytes)
-        n, m2, mean = codec.from_rec(rows, len(pos), conf.d)
-        return n, m2, mean
+        n, m2, mean = None, np.zeros((len(keys), len(pos))), np.zeros((len(keys), len(pos), conf.d))
+        for g, (rows, at) in _by_group(conf, pos).items():
+            g_n, m2[:, rows], mean[:, rows] = yield from self._group_means(state, g, keys, at, step_bytes)
+            n = g_n if n is None else n  # the first asked group's count
+        return (np.zeros(len(keys)) if n is None else n), m2, mean

@@ -1,14 +1,17 @@
 """Token shards: applying a checkpoint's per-token moments, once, shard by shard.
 
 A pair's per-token state is split into ``conf.shards`` shards by a hash of the token key,
-each shard its own hash slot (:mod:`embgeom.store.keys`). A checkpoint touches every shard
-that holds one of its tokens; within a shard its tokens are cut into *pieces* of at most
-``piece_tokens`` tokens (sorted by key, so a redelivered checkpoint cuts the same pieces),
-which bounds the bytes a single Redis command carries.
+and each shard's records into the pair's layer groups (``PairConf.groups``): each (shard,
+group) is a *part*, its own hash slot (:mod:`embgeom.store.keys`), whose records are laid
+out as those of a pair keeping only the group's layers (``PairConf.group_view``). A
+checkpoint touches every part of every shard that holds one of its tokens; within a shard
+its tokens are cut into *pieces* of at most ``piece_tokens`` tokens (sorted by key, so a
+redelivered checkpoint cuts the same pieces), the same pieces in every group, which bounds
+the bytes a single Redis command carries: one piece of one group.
 
-One round, for a group of shards::
+One round, for a set of parts::
 
-    SET lock NX PX       try-lock each shard (a fencing token); a busy shard waits for a
+    SET lock NX PX       try-lock each part (a fencing token); a busy part waits for a
                          later round, the others go on: workers never wait on each other
     inflight check       the checkpoint is still sealed-not-completed (control slot), at t
     HGET applied, HMGET rec/unit of the touched keys, HGETALL bkt, GET agg    (one pipeline)
@@ -18,9 +21,10 @@ One round, for a group of shards::
                          names of hashed word keys new to the shard), mark the piece
                          applied; the shard's last piece releases the lock
 
-A piece already marked applied (a checkpoint redelivered after a crash) is skipped, and
-its tokens are not merged again. A lost lock (a lease that expired) redoes that shard's
-remaining pieces from a fresh read: a conflict redoes one shard, never the checkpoint.
+A piece already marked applied in a part (a checkpoint redelivered after a crash) is
+skipped there, and its tokens are not merged again in that group. A lost lock (a lease that
+expired) redoes that part's remaining pieces from a fresh read: a conflict redoes one part,
+never the checkpoint.
 """
 
 from __future__ import annotations
@@ -117,11 +121,19 @@ def pieces_of(ids: np.ndarray, conf: PairConf, piece_tokens: int) -> list[tuple[
     return out
 
 
-def piece_tokens_for(conf: PairConf, piece_bytes: int) -> int:
+def record_bytes(conf: PairConf) -> int:
+    """Bytes one token writes to a part of ``conf`` (a group's view): rec, scal, unit."""
     per_token = 8 * (1 + conf.L + conf.L * conf.d) + 8 * conf.scal_width
     if conf.self_similarity:
         per_token += 8 * conf.L * conf.d
-    return max(1, piece_bytes // per_token)
+    return per_token
+
+
+def piece_tokens_for(conf: PairConf, piece_bytes: int) -> int:
+    """Tokens per piece: one piece of the largest layer group within ``piece_bytes``
+    (every group is cut into the same pieces, so a redelivery finds the same ones)."""
+    largest = max(record_bytes(conf.group_view(g)) for g in range(len(conf.groups)))
+    return max(1, piece_bytes // largest)
 
 
 class ShardWriter:
@@ -145,47 +157,51 @@ class ShardWriter:
         hashed word key among ``tokens`` (word-unit collections)."""
         names = names or {}
         stats = ApplyStats()
-        pending: dict[int, list[tuple[int, np.ndarray]]] = {}
+        groups = range(len(conf.groups))
+        # Part (shard, group) -> its pieces; the same pieces in every group of a shard.
+        pending: dict[tuple[int, int], list[tuple[int, np.ndarray]]] = {}
         for s, p, rows in pieces_of(tokens.ids, conf, piece_tokens):
-            pending.setdefault(s, []).append((p, rows))
-        stats.shards = len(pending)
-        per_token = 8 * (1 + conf.L + conf.L * conf.d) * (2 if conf.self_similarity else 1)
+            for g in groups:
+                pending.setdefault((s, g), []).append((p, rows))
+        stats.shards = len({s for s, _ in pending})
+        per_token = [record_bytes(conf.group_view(g)) for g in groups]
         while pending:
-            # A group of shards whose touched records fit the memory budget of one round.
+            # A set of parts whose touched records fit the memory budget of one round.
             group, size = [], 0
-            for s in sorted(pending, key=lambda s: random.random()):
-                n = sum(len(rows) for _, rows in pending[s])
-                if group and size + n * per_token * 3 > self.group_bytes:
+            for part in sorted(pending, key=lambda part: random.random()):
+                n = sum(len(rows) for _, rows in pending[part]) * per_token[part[1]] * 3
+                if group and size + n > self.group_bytes:
                     break
-                group.append(s)
-                size += n * per_token * 3
-            done = self._round(parts, conf, cp, tokens, {s: pending[s] for s in group}, check,
-                               stats, names)
-            for s in done:
-                pending.pop(s)
+                group.append(part)
+                size += n
+            done = self._round(parts, conf, cp, tokens, {part: pending[part] for part in group},
+                               check, stats, names)
+            for part in done:
+                pending.pop(part)
             if len(done) < len(group):
                 stats.busy += len(group) - len(done)
                 time.sleep(0.002 + 0.01 * random.random())
         return stats
 
     # ------------------------------------------------------------------ one round
-    def _round(self, parts, conf, cp, tokens, group, check, stats, names) -> list[int]:
-        """Lock, read, merge and write a group of shards; returns the shards finished."""
+    def _round(self, parts, conf, cp, tokens, group, check, stats, names) -> list:
+        """Lock, read, merge and write a set of parts ``(shard, group)``; returns the parts
+        finished."""
         stats.rounds += 1
         t0 = time.perf_counter()
         fence = f"{self.worker_id}:{uuid.uuid4().hex[:12]}"
         with self.r.pipeline(transaction=False) as p:
-            for s in group:
-                p.set(parts.shard(s).lock, fence, nx=True, px=self.lock_ms)
+            for part in group:
+                p.set(parts.shard(*part).lock, fence, nx=True, px=self.lock_ms)
             got = p.execute()
-        locked = [s for s, ok in zip(group, got) if ok]
+        locked = [part for part, ok in zip(group, got) if ok]
         stats.seconds["lock"] += time.perf_counter() - t0
         if not locked:
             return []
         try:
             checked = check()
             t1 = time.perf_counter()
-            state = self._read(parts, conf, cp, tokens, {s: group[s] for s in locked}, stats)
+            state = self._read(parts, conf, cp, tokens, {part: group[part] for part in locked}, stats)
             t2 = time.perf_counter()
             stats.seconds["read"] += t2 - t1
             writes = self._merge(conf, cp, tokens, state, stats, names)
@@ -198,52 +214,60 @@ class ShardWriter:
             self._unlock(parts, locked, fence)
             raise
 
-    def _unlock(self, parts, shards, fence) -> None:
+    def _unlock(self, parts, locked, fence) -> None:
         try:
             with self.r.pipeline(transaction=False) as p:
-                for s in shards:
+                for part in locked:
                     # Only our own lock: a compare-and-delete (no script needed for a hint).
-                    p.get(parts.shard(s).lock)
-                mine = [s for s, v in zip(shards, p.execute()) if v == fence.encode()]
+                    p.get(parts.shard(*part).lock)
+                mine = [part for part, v in zip(locked, p.execute()) if v == fence.encode()]
             if mine:
                 with self.r.pipeline(transaction=False) as p:
-                    for s in mine:
-                        p.delete(parts.shard(s).lock)
+                    for part in mine:
+                        p.delete(parts.shard(*part).lock)
                     p.execute()
         except redis.RedisError:
             pass  # the lease expires on its own
 
     def _read(self, parts, conf, cp, tokens, group, stats) -> dict:
+        """Markers, agg, bkt and the touched records of each part: one HMGET per piece
+        (rec, and unit with self-similarity), so no read carries more than a piece does."""
+        wanted = ("rec", "unit") if conf.self_similarity else ("rec",)
         with self.r.pipeline(transaction=False) as p:
-            for s, pieces in group.items():
-                keys = parts.shard(s)
-                ids = tokens.ids[np.concatenate([rows for _, rows in pieces])]
-                fields = [str(int(i)) for i in ids.tolist()]
+            for part, pieces in group.items():
+                keys = parts.shard(*part)
                 p.hget(keys.applied, cp)
                 p.get(keys.agg)
                 p.hgetall(keys.bkt)
-                p.hmget(keys.rec, fields)
-                if conf.self_similarity:
-                    p.hmget(keys.unit, fields)
+                for _, rows in pieces:
+                    fields = [str(int(i)) for i in tokens.ids[rows].tolist()]
+                    for name in wanted:
+                        p.hmget(getattr(keys, name), fields)
             replies = iter(p.execute())
         state = {}
-        for s, pieces in group.items():
+        for part, pieces in group.items():
             applied_raw = next(replies)
             applied = set() if applied_raw is None else {int(x) for x in applied_raw.split(b",")}
-            agg_raw, bkt_raw, rec_raw = next(replies), next(replies), next(replies)
-            unit_raw = next(replies) if conf.self_similarity else None
-            stats.bytes_read += sum(len(r) for r in rec_raw if r) + \
-                (sum(len(r) for r in unit_raw if r) if unit_raw else 0)
-            state[s] = {"pieces": pieces, "applied": applied, "agg": agg_raw, "bkt": bkt_raw,
-                        "rec": rec_raw, "unit": unit_raw}
+            agg_raw, bkt_raw = next(replies), next(replies)
+            got = {name: [] for name in wanted}
+            for _ in pieces:
+                for name in wanted:
+                    got[name].extend(next(replies))
+            stats.bytes_read += sum(len(r) for values in got.values() for r in values if r)
+            state[part] = {"pieces": pieces, "applied": applied, "agg": agg_raw, "bkt": bkt_raw,
+                           "rec": got["rec"], "unit": got.get("unit")}
         return state
 
     def _merge(self, conf: PairConf, cp, tokens: TokenMoments, state: dict, stats,
                names: dict) -> dict:
-        """Per shard, per piece: the field/value lists of its APPLY_PIECE call."""
-        L, d = conf.L, conf.d
+        """Per part, per piece: the field/value lists of its APPLY_PIECE call. A part's
+        records are those of a pair keeping only its group's layers (``group_view``)."""
         writes = {}
-        for s, st in state.items():
+        for (s, g), st in state.items():
+            view = conf.group_view(g)
+            L, d = view.L, view.d
+            # The group's layers of every token (views: nothing copied until a piece's take).
+            in_group = tokens.layers(conf.group_span(g))
             offset = 0
             agg = (np.frombuffer(st["agg"], dtype=codec.F64).copy() if st["agg"]
                    else np.zeros(2 + L))
@@ -258,7 +282,7 @@ class ShardWriter:
                     continue
                 present, old = codec.unpack_rows(st["rec"][span], 1 + L + L * d)
                 n_old, m2_old, mean_old = codec.from_rec(old, L, d)
-                new = tokens.take(rows)
+                new = in_group.take(rows)
                 # Counts are per token, the same at every layer: (k, 1) broadcasts.
                 n, mean, m2, _ = chan_merge(n_old[:, None], mean_old, m2_old,
                                             new.n[:, None], new.mean, new.m2)
@@ -266,13 +290,13 @@ class ShardWriter:
                 ids = [str(int(i)) for i in new.ids.tolist()]
                 rec = codec.pack_rows(codec.rec_rows(n, m2, mean))
                 unit, unit_sum = [], None
-                if conf.self_similarity:
+                if view.self_similarity:
                     _, unit_old = codec.unpack_rows(st["unit"][span], L * d)
                     unit_sum = unit_old + new.unit_sum.reshape(len(rows), -1)
                     unit = codec.pack_rows(unit_sum)
                 # ||U||^2 from the merged sum (a generation stored before has no room for it).
                 scal = codec.pack_rows(codec.scal_rows(
-                    n, mean, m2, unit_sum.reshape(-1, L, d) if conf.stores_unit_norms else None))
+                    n, mean, m2, unit_sum.reshape(-1, L, d) if view.stores_unit_norms else None))
                 # Bucket deltas: each token leaves its old bucket and enters its new one.
                 touched = self._bucket_delta(bkt, comp, present, n_old, mean_old, n, mean, L, d)
                 agg[0] += float((~present).sum())  # counts: integers, exact in float64
@@ -285,14 +309,15 @@ class ShardWriter:
                 bkt_fields = [(f, memoryview(v.tobytes())) for b in sorted(touched)
                               for f, v in ((str(b), bkt[b]), (f"c{b}", comp[b]))]
                 bkt_fields.append((WITHIN_COMP.decode(), memoryview(within_comp.tobytes())))
-                # A hashed word key's name goes with its first record in this shard (the
-                # shard's lock makes ``present`` exact): written once, in the record's slot.
-                fresh = [int(k) for k in new.ids[~present & is_word_key(new.ids)].tolist()]
+                # A hashed word key's name goes with its first record in this shard's group
+                # 0 (that part's lock makes ``present`` exact): written once, in its slot.
+                fresh = [int(k) for k in new.ids[~present & is_word_key(new.ids)].tolist()] \
+                    if g == 0 else []
                 name_fields = [(str(k), names[k].encode("utf-8", "surrogatepass")) for k in fresh]
                 calls.append((p, {"rec": list(zip(ids, rec)), "unit": list(zip(ids, unit)),
                                   "scal": list(zip(ids, scal)), "bkt": bkt_fields,
                                   "name": name_fields, "agg": agg.tobytes()}))
-            writes[s] = calls
+            writes[(s, g)] = calls
         return writes
 
     @staticmethod
@@ -320,11 +345,11 @@ class ShardWriter:
             row[2:], comp[b] = add_compensated(total, c, s, e)
         return touched
 
-    def _write(self, parts, cp, fence, checked, writes, stats) -> list[int]:
+    def _write(self, parts, cp, fence, checked, writes, stats) -> list:
         order = []
         with self.r.pipeline(transaction=False) as p:
             for s, calls in writes.items():
-                keys = parts.shard(s)
+                keys = parts.shard(*s)
                 live = [(piece, w) for piece, w in calls if w is not None]
                 if not live:
                     p.eval("if redis.call('GET', KEYS[1]) == ARGV[1] then "
@@ -363,9 +388,10 @@ class ShardWriter:
             if res == -2:
                 raise CheckTooOld(f"checkpoint {cp}: its in-flight check is too old")
             if res == -3:
-                raise CheckpointRefused(f"checkpoint {cp}: a key of shard {s} holds the wrong type "
+                raise CheckpointRefused(f"checkpoint {cp}: a key of shard {s[0]} (layer group "
+                                        f"{s[1]}) holds the wrong type "
                                         "of value (WRONGTYPE); nothing of that piece was written")
-        # A shard with a failed piece is redone from a fresh read next round; the pieces it
+        # A part with a failed piece is redone from a fresh read next round; the pieces it
         # did apply are marked and will be skipped.
         for s in list(writes):
             if s not in finished and s not in failed:
