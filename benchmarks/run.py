@@ -194,7 +194,7 @@ class Slowest:
             for name, stats in client.info("latencystats").items():
                 p999 = _percentile_ms(stats, "p99.9")
                 if p999 is not None and p999 > self.p999_ms:
-                    self.p999_ms, self.p999_command = p999, f"{where}: {name.split('_', 2)[-1]}"
+                    self.p999_ms, self.p999_command = p999, f"{where}: {name.removeprefix('latency_percentiles_usec_')}"
 
     def figures(self) -> dict:
         """The ``reads.redis_*`` figures."""
@@ -320,18 +320,20 @@ def bare_forward(loaded, jobs: list[list[str]], token_budget: int,
     time counts in the figure: keep it cheap)."""
     import torch
 
-    from embgeom.compute.positions import batches_by_token_budget, encode, pad_batch
+    from embgeom.compute.engine import CountingRule, padded_batches
 
     cuda = loaded.device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(loaded.device)
+    rule = CountingRule(layers=(0,))  # a default collection's counting: tokens, no specials
     start = time.perf_counter()
     counted = 0
     with torch.inference_mode():
         for texts in jobs:
-            enc = encode(loaded.tokenizer, texts, loaded.info.max_length)
-            for windows in batches_by_token_budget(enc.lengths, max(token_budget, loaded.info.max_length)):
-                batch = pad_batch(enc, windows, loaded.pad_id)
+            # The service's own cut and batching (the window at the model's maximum).
+            _, padded = padded_batches(loaded.tokenizer, texts, rule, loaded.info.max_length,
+                                       token_budget, loaded.pad_id)
+            for batch in padded:
                 hidden = loaded.forward_padded(batch)
                 counted += batch.num_counted
                 if on_batch is not None:
