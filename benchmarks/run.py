@@ -944,7 +944,10 @@ def rows(res: dict) -> list[tuple[str, str, str]]:
         out.append(("merge.merge_over_bare", _f(mg["merge_over_bare"], ".3f"),
                     f"merge {_f(mg['merge_tok_s'])} / bare index_add_ {_f(mg['bare_tok_s'])} tok/s "
                     f"({mg['device']})"))
-    for shape, v in (res.get("steady_state") or {}).items():
+    ss = res.get("steady_state") or {}
+    if "error" in ss:
+        out.append(("steady_state", "-", str(ss["error"])[:100]))
+    for shape, v in ss.items():
         if isinstance(v, dict) and "tok_s" in v:
             out.append((f"steady_state.{shape}.tok_s", _f(v["tok_s"]),
                         f"window {_f(v.get('window_tokens'))} tok, {_f(v.get('types_per_window'))} types, "
@@ -969,7 +972,7 @@ def rows(res: dict) -> list[tuple[str, str, str]]:
         "token_p99_ms_32_ingesting": f"same collection, worker nice 0: {_f(rd.get('texts_ingested_meanwhile'))} "
                                      f"texts ingested in {_f(rd.get('wrk_seconds'))} s",
         "filtered_summary_uncached_ms": f"fresh checkpoint before each; max {_f(rd.get('filtered_summary_uncached_ms_max'), '.1f')} ms",
-        "redis_slowest_command_ms": f"{rd.get('redis_slowest_command')}; SLOWLOG {_f(rd.get('redis_slowest_slowlog_ms'), '.1f')}, "
+        "redis_slowest_command_ms": f"{str(rd.get('redis_slowest_command'))[:90]}; SLOWLOG {_f(rd.get('redis_slowest_slowlog_ms'), '.1f')}, "
                                     f"latency monitor {_f(rd.get('redis_slowest_latency_monitor_ms'), '.0f')} ms",
         "redis_longest_other_stall_ms": str(rd.get("redis_longest_other_stall")),
     }
@@ -1024,6 +1027,18 @@ def table(res: dict) -> str:
     return "\n".join(lines)
 
 
+STEADY_MAX_S = 540.0
+CROSS_LAYER_S = {True: 60.0, False: 200.0}  # what cross_layer, run after it, takes (quick, full)
+
+
+def steady_budget(total_s: float, elapsed_s: float, cross_layer: bool, quick: bool) -> float:
+    """Seconds for the steady-state section: what the run's budget leaves after the
+    sections before it and the cross-layer one after it, between 60 s (a quick figure)
+    and :data:`STEADY_MAX_S`."""
+    left = total_s - elapsed_s - (CROSS_LAYER_S[quick] if cross_layer else 0.0)
+    return max(60.0, min(STEADY_MAX_S, left))
+
+
 SECTIONS = ("e2e", "e2e_20k", "ceiling", "store", "merge", "workers", "reads", "steady_state",
             "cross_layer")
 
@@ -1037,8 +1052,10 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default=None,
                         help="device of the merge and steady-state windows (default: cuda if "
                              "there is one, else cpu)")
-    parser.add_argument("--steady-budget-s", type=float, default=None,
-                        help="seconds the steady-state section may take (default 60 quick, 540 full)")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="seconds the whole run should take (default 1,680 full, 600 quick): "
+                             "the steady-state section gets what the others leave, at most "
+                             f"{STEADY_MAX_S:.0f} s")
     args = parser.parse_args(argv)
     sections = set(args.only.split(","))
     unknown = sections - set(SECTIONS)
@@ -1090,7 +1107,8 @@ def main(argv=None) -> int:
     if "workers" in sections:
         res["workers_one_collection"] = bench_workers(slowest, args.quick)
     if "steady_state" in sections:
-        budget = args.steady_budget_s or (60.0 if args.quick else 540.0)
+        budget = steady_budget(args.budget_s or (600.0 if args.quick else 1680.0),
+                               time.perf_counter() - t0, "cross_layer" in sections, args.quick)
         try:
             from benchmarks.steady_state import bench_steady_state
         except ImportError as exc:

@@ -195,7 +195,7 @@ def test_slowest_names_a_scripts_keys_from_a_real_slowlog(redis_server):
     slowest.collect(client, "here")
     assert slowest.ms >= 15
     assert slowest.command == "here: EVAL keys eg:{p}:s3:lock eg:{p}:s3:rec"
-    assert slowest.over_50ms == 0
+    assert slowest.over_50ms == (slowest.ms > 50)  # 15 ms of Redis's clock; more on a busy host
 
 
 def test_stage_seconds_sum_the_workers_gauges_of_a_metrics_text():
@@ -247,7 +247,7 @@ def test_bare_forward_uses_the_services_batches_and_the_serve_its_defaults(monke
     registry = ModelRegistry.from_settings(settings)
     loaded = ModelPool(registry, "cpu", 1).get("minilm")
     engine = Engine(loaded, CountingRule(layers=(0,)), settings.token_budget)
-    texts = run.e2e_texts(300)
+    texts = run.e2e_texts(120)
     seen = []
     _, counted = run.bare_forward(loaded, [texts], settings.token_budget,
                                   on_batch=lambda b: seen.append(b.keys[b.counted]))
