@@ -349,3 +349,37 @@ def test_store_and_merge_sections_at_a_tiny_size():
         line = next(line for line in text.splitlines() if line.startswith(name))
         assert target in line and ("met" in line or "MISSED" in line)
     assert "appendfsync always" in text
+
+
+def test_steady_state_section_calls_its_module_and_reports_every_name(tmp_path, monkeypatch, capsys):
+    """``--only steady_state`` calls ``benchmarks.steady_state.bench_steady_state`` (here
+    an in-memory stand-in with its signature) and puts what it returns under
+    ``steady_state.<shape>`` in bench.json and in the table, beside ``machine``."""
+    import json
+    import math
+    import sys
+    import types
+
+    calls = []
+
+    def bench_steady_state(quick, slowest, device="cpu", budget_s=None):
+        calls.append((quick, type(slowest).__name__, device, budget_s))
+        return {shape: {"tok_s": 1000.0 * (i + 1), "window_tokens": 2_000_000, "types_per_window": 25_000,
+                        "checkpoint_s": 1.5, "checkpoint_bytes": 3e8, "tokens": 10_000_000}
+                for i, shape in enumerate(run.STEADY_SHAPES)}
+
+    module = types.ModuleType("benchmarks.steady_state")
+    module.bench_steady_state = bench_steady_state
+    monkeypatch.setitem(sys.modules, "benchmarks.steady_state", module)
+    monkeypatch.setenv("BENCH_JSON", str(tmp_path / "bench.json"))
+    assert run.main(["--quick", "--only", "steady_state", "--device", "cpu"]) == 0
+    assert calls and calls[0][:3] == (True, "Slowest", "cpu") and 60 <= calls[0][3] <= run.STEADY_MAX_S
+    res = json.loads((tmp_path / "bench.json").read_text())
+    for shape in run.STEADY_SHAPES:
+        for field in ("tok_s", "window_tokens", "types_per_window", "checkpoint_s", "checkpoint_bytes"):
+            assert math.isfinite(run._get(res, f"steady_state.{shape}.{field}"))
+    assert res["machine"]["redis"]["appendfsync"] and res["machine"]["load_average_end"]
+    assert math.isfinite(res["reads"]["redis_slowest_command_ms"])
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.strip()}
+    assert lines["steady_state.1b_shape.tok_s"].split()[1:5] == ["3,000", ">=", "20,000", "MISSED:"]
+    assert "steady_state.7b_shape_5_layers.tok_s" in lines
