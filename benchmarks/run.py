@@ -1028,6 +1028,20 @@ def table(res: dict) -> str:
     return "\n".join(lines)
 
 
+class Lap:
+    """Seconds since the previous lap, recorded under the section's name (sections
+    skipped record nothing)."""
+
+    def __init__(self, into: dict):
+        self.into, self.t = into, time.perf_counter()
+
+    def __call__(self, name: str) -> None:
+        now = time.perf_counter()
+        if now - self.t > 0.5:
+            self.into[name] = round(now - self.t, 1)
+        self.t = now
+
+
 STEADY_MAX_S = 540.0
 CROSS_LAYER_S = {True: 60.0, False: 200.0}  # what cross_layer, run after it, takes (quick, full)
 
@@ -1072,12 +1086,13 @@ def main(argv=None) -> int:
         res["machine"] = machine(client)
     t0 = time.perf_counter()
     repeat = args.repeat if not args.quick else 1
+    lap = Lap(res.setdefault("section_s", {}))
     if sections & {"e2e", "e2e_20k"}:
-        if "e2e" not in sections:
-            repeat = 1
-        res.update(bench_e2e(repeat, args.quick, large="e2e_20k" in sections))
+        res.update(bench_e2e(repeat if "e2e" in sections else 1, args.quick,
+                             large="e2e_20k" in sections))
         if "e2e" not in sections:
             res.pop("e2e_cpu", None)
+    lap("e2e")
     if sections & {"ceiling", "reads", "store"}:
         sizes = {"minilm": 52, "mpnet_shape": 26, "1b_shape": 12, "1b_shape_all_layers": 4,
                  "minilm_nosim": 26}
@@ -1103,10 +1118,13 @@ def main(argv=None) -> int:
             res["host_ceiling_stages"] = stages
             res["tokenize_tok_s"] = record_bbc().tokens / record_bbc().tokenize_seconds
             res["redis_bytes_per_token_layer_over_raw"] = ratios
+    lap("replay_store_reads_ceiling")
     if "merge" in sections:
         res["merge"] = bench_merge(3 if args.quick else 12, 2 if args.quick else 3, device)
+    lap("merge")
     if "workers" in sections:
         res["workers_one_collection"] = bench_workers(slowest, args.quick)
+    lap("workers")
     if "steady_state" in sections:
         budget = steady_budget(args.budget_s or (600.0 if args.quick else 1680.0),
                                time.perf_counter() - t0, "cross_layer" in sections, args.quick)
@@ -1116,8 +1134,10 @@ def main(argv=None) -> int:
             res["steady_state"] = {"error": f"benchmarks.steady_state is not there: {exc}"}
         else:
             res["steady_state"] = bench_steady_state(args.quick, slowest, device=device, budget_s=budget)
+    lap("steady_state")
     if "cross_layer" in sections:
         res["cross_layer"] = bench_cross_layer(repeat, args.quick)
+    lap("cross_layer")
     res.setdefault("reads", {}).update(slowest.figures())
     res["redis_slowest_commands"] = [{"ms": ms, "command": c} for ms, c in slowest.top]
     res["machine"]["load_average_end"] = list(os.getloadavg())
@@ -1125,7 +1145,7 @@ def main(argv=None) -> int:
     print(table(res))
     path = Path(os.environ.get("BENCH_JSON", REPO / "bench.json"))
     path.write_text(json.dumps(res, indent=2, default=float) + "\n")
-    print(f"\nwrote {path} ({res['wall_s']} s)")
+    print(f"\nwrote {path} ({res['wall_s']} s: " + ", ".join(f"{k} {v:.0f} s" for k, v in res["section_s"].items()) + ")")
     return 0
 
 
