@@ -381,8 +381,9 @@ class ServeProcess:
 def serve_env() -> dict:
     """The environment of the ``embgeom serve`` the end-to-end figures measure: its
     defaults, but its embedded worker at niceness 0, the priority of the bare forward it
-    is compared with (the default, 10, keeps reads fast beside ingestion)."""
-    return {"EMBGEOM_EMBEDDED_WORKER_NICE": "0"}
+    is compared with (the default, 10, keeps reads fast beside ingestion), and on the
+    CPU like the bare forward (``e2e_cpu``, even on a host with a GPU)."""
+    return {"EMBGEOM_EMBEDDED_WORKER_NICE": "0", "EMBGEOM_DEVICE": "cpu"}
 
 
 def run_jobs(client: httpx.Client, collection: str, jobs: list[list[str]], model: str = "minilm",

@@ -242,7 +242,7 @@ def test_bench_redis_persists_as_the_embedded_service(tmp_path):
 def test_bare_forward_uses_the_services_batches_and_the_serve_its_defaults(monkeypatch):
     """The bare forward runs the batches a worker's engine prepares (token budget and
     window from Settings and the registry); the measured serve differs from the default
-    only in its worker's niceness (that of the bare forward)."""
+    only in its worker's niceness and device (those of the bare forward)."""
     settings = Settings()
     registry = ModelRegistry.from_settings(settings)
     loaded = ModelPool(registry, "cpu", 1).get("minilm")
@@ -259,8 +259,9 @@ def test_bare_forward_uses_the_services_batches_and_the_serve_its_defaults(monke
         monkeypatch.setenv(name, value)
     served = Settings().model_dump()
     assert served.pop("embedded_worker_nice") == os.getpriority(os.PRIO_PROCESS, 0) == 0
+    assert served.pop("device") == str(loaded.device) == "cpu"
     default = settings.model_dump()
-    default.pop("embedded_worker_nice")
+    default.pop("embedded_worker_nice"), default.pop("device")
     assert served == default
 
 
