@@ -140,8 +140,11 @@ def submit_replay_jobs(client, collection: str, model: str, jobs: range) -> list
 
 
 def replay_worker(redis_url: str, shape: str, model: str = "minilm", worker_id: Optional[str] = None,
-                  recording: Optional[Recording] = None, settings_overrides: Optional[dict] = None):
-    """A real :class:`embgeom.worker.Worker` whose engine replays ``shape``."""
+                  recording: Optional[Recording] = None, settings_overrides: Optional[dict] = None,
+                  prebuild: bool = False):
+    """A real :class:`embgeom.worker.Worker` whose engine replays ``shape``; ``prebuild``
+    draws the engine's pool now rather than at the first job (a timed run then starts
+    with the process ready)."""
     from embgeom.compute.models import ModelRegistry
     from embgeom.store.connection import redis_client
     from embgeom.worker import Worker
@@ -157,6 +160,11 @@ def replay_worker(redis_url: str, shape: str, model: str = "minilm", worker_id: 
         if key not in engines:
             engines[key] = ReplayEngine(recording, conf.L, conf.d, conf.self_similarity)
         return engines[key]
+
+    if prebuild:
+        L = len(spec["keep"]) if spec["keep"] else spec["layers"]
+        engines[(L, spec["d"], spec["self_similarity"])] = ReplayEngine(
+            recording, L, spec["d"], spec["self_similarity"])
 
     return Worker(redis_client(redis_url), settings, registry=registry, worker_id=worker_id,
                   engine_factory=factory)
@@ -185,12 +193,17 @@ def main(argv=None) -> int:
     parser.add_argument("--shape", default="minilm", choices=sorted(REPLAY_SHAPES))
     parser.add_argument("--worker-id", default=None)
     parser.add_argument("--stats", default=None, help="write the worker's stage clock here (JSON)")
+    parser.add_argument("--ready", default=None,
+                        help="create this file once torch is imported, BBC tokenised and the "
+                             "engine built: a timer started after it measures the work only")
     args = parser.parse_args(argv)
     from embgeom.settings import Settings
 
     logging.basicConfig(level=(Settings().log_level or "WARNING").upper())
-    worker = replay_worker(args.redis_url, args.shape, worker_id=args.worker_id)
+    worker = replay_worker(args.redis_url, args.shape, worker_id=args.worker_id, prebuild=True)
     signal.signal(signal.SIGTERM, lambda *_: worker.request_stop(60))
+    if args.ready:
+        open(args.ready, "w").close()
     worker.run()
     if args.stats:
         with open(args.stats, "w") as f:
