@@ -39,6 +39,7 @@ from embgeom.compute.engine import CountingRule, Engine
 from embgeom.compute.models import ModelPool, ModelRegistry
 from embgeom.compute.window import WindowAccumulator
 from embgeom.errors import EmbgeomError, JobFenced, StoreUnavailable
+from embgeom import heap
 from embgeom.heap import HeapTrimmer
 from embgeom.settings import Settings
 from embgeom.stats import WindowMoments
@@ -590,6 +591,11 @@ class Worker:
                 # jobs done, and are acknowledged then.
                 log.exception("worker %s: checkpoint %s could not be acknowledged", self.id, args[2])
             finally:
+                # The sealed window's moments go with ``args``: hand their pages back now
+                # rather than at the next periodic trim (a worker at rest holds its models
+                # and caches, not its last window).
+                args = None
+                heap.trim()
                 self._applier_idle.set()
 
     # Errors after which the same checkpoint is tried again on this worker (with backoff,
@@ -748,10 +754,14 @@ class Worker:
     def heartbeat_details(self) -> dict:
         with self._lock:
             current = self._current
+            sealed = len(self._sealed)
         return {"id": self.id, "models": self.models, "loaded": self.pool.loaded(),
                 "job": current.job_id if current else None, "heartbeat": time.time(),
                 "jobs_done": self.jobs_done, "checkpoints": self.checkpoints,
-                "held": len(self._held),
+                "held": len(self._held), "applying": sealed,
+                # No job in hand, no window open, nothing being applied: what the
+                # process holds now is its models and caches alone.
+                "at_rest": current is None and self.window is None and not sealed,
                 "stage_seconds": {k: round(v, 6) for k, v in self.clock.seconds.items()}}
 
     def _heartbeat_loop(self) -> None:
