@@ -58,7 +58,8 @@ __all__ = ["SHAPES", "bench_steady_state", "SteadyEngine", "ReplayRegistry", "sa
            "load_recording", "steady_shape", "table"]
 
 F64 = torch.float64
-SHAPES = ("minilm", "mpnet_shape", "1b_shape", "1b_shape_all_layers", "7b_shape_5_layers")
+# In this order: a run cut short keeps the shapes of the acceptance first.
+SHAPES = ("minilm", "mpnet_shape", "1b_shape", "7b_shape_5_layers", "1b_shape_all_layers")
 TARGET_TOKENS = 10**7
 MODEL = "minilm"      # the recording is MiniLM's tokenisation; the shape replaces its size
 VOCAB = 30522         # MiniLM's vocabulary (the pair's configuration records it)
@@ -71,6 +72,9 @@ CPU_TOKENS = {
            "1b_shape_all_layers": 20_000, "7b_shape_5_layers": 20_000},
 }
 CPU_BUDGET_S = {False: 420.0, True: 75.0}
+# The seeded vocabulary's bytes on a CPU (this machine has 24 GiB shared): a larger
+# shape cycles a shorter prefix of the recording (``recording_jobs``).
+CPU_STORE_BYTES = 1.0e9
 # Fixed window budgets of the sweep (tokens per window; a window holds whole jobs of
 # about 20k tokens). A row replays half the default row's tokens; only the budgets that
 # give it 2 windows or more run, the largest SWEEP_ROWS of them.
@@ -135,6 +139,27 @@ def cycled_tokens(rec: Recording, jobs: int) -> int:
     per = job_tokens(rec)
     cycles, rest = divmod(jobs, len(per))
     return int(cycles * per.sum() + per[:rest].sum())
+
+
+def within_store(rec: Recording, jobs: int, row_bytes: int, max_bytes: Optional[float]) -> Recording:
+    """The recording cut to the longest prefix of its first ``jobs`` jobs whose vocabulary
+    takes at most ``max_bytes`` at ``row_bytes`` a type (at least one job); uncut if it
+    fits (or no bound). Cycling a cut recording keeps every timed type seeded."""
+    jobs = min(jobs, len(rec.jobs))
+    if max_bytes is None or len(vocabulary(rec, jobs)) * row_bytes <= max_bytes:
+        return rec if jobs == len(rec.jobs) or max_bytes is None else _prefix(rec, jobs)
+    lo, hi = 1, jobs  # the largest fitting prefix, by bisection (vocabulary grows with jobs)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if len(vocabulary(rec, mid)) * row_bytes <= max_bytes else (lo, mid - 1)
+    return _prefix(rec, lo)
+
+
+def _prefix(rec: Recording, jobs: int) -> Recording:
+    cut = Recording(rec.batches, rec.jobs[:jobs], sum(rec.batches[b][2] for j in rec.jobs[:jobs] for b in j),
+                    rec.tokenize_seconds)
+    cut.window = getattr(rec, "window", None)
+    return cut
 
 
 def vocabulary(rec: Recording, jobs: int) -> np.ndarray:
@@ -361,7 +386,7 @@ def replay_jobs(url: str, client, engine: SteadyEngine, registry: ReplayRegistry
     for w in windows:
         w["at"] -= start
     return {"tokens": tokens, "jobs": done, "seconds": seconds, "tok_s": tokens / seconds if seconds else 0.0,
-            "windows": windows}
+            "windows": windows, "stages_s": {k: round(v, 3) for k, v in sorted(worker.clock.seconds.items()) if v}}
 
 
 def _summary(run: dict, budget: str) -> dict:
@@ -382,8 +407,9 @@ def _default_budget(settings) -> str:
 
 def steady_shape(shape: str, recording: Recording, tokens: int, device: str = "cpu",
                  budget_s: Optional[float] = None, slowest=None, sweep=WINDOW_SWEEP,
-                 on_store=None) -> dict:
+                 on_store=None, max_store_bytes: Optional[float] = None) -> dict:
     """One shape: seed, the default row, then the window sweep (see the module docstring).
+    ``max_store_bytes`` bounds the seeded vocabulary (:func:`within_store`).
     ``on_store(client, jobs)``, if given, sees the store and the cycled jobs replayed (default
     row, then each sweep row) before the server stops."""
     from embgeom.compute.window import WindowAccumulator
@@ -392,9 +418,10 @@ def steady_shape(shape: str, recording: Recording, tokens: int, device: str = "c
     spec = REPLAY_SHAPES[shape]
     t0 = time.perf_counter()
     deadline = None if budget_s is None else t0 + budget_s
-    n_jobs = jobs_for(recording, tokens)
-    seed = vocabulary(recording, n_jobs)
     L = len(spec["keep"]) if spec["keep"] else spec["layers"]
+    recording = within_store(recording, jobs_for(recording, tokens),
+                             WindowAccumulator.row_bytes(L, spec["d"], spec["self_similarity"]), max_store_bytes)
+    seed = vocabulary(recording, jobs_for(recording, tokens))
     defaults = Settings()
     # Seed jobs of half a window's byte budget: each seed window closes on its bytes.
     seed_rows = WindowAccumulator.rows_within(L, spec["d"], spec["self_similarity"], defaults.checkpoint_bytes) // 2
@@ -439,31 +466,39 @@ def steady_shape(shape: str, recording: Recording, tokens: int, device: str = "c
             "vocabulary": int(len(seed)), "seed_seconds": round(seed_seconds, 3),
             "seed_checkpoints": len(seeded["windows"]), "types_before": types_before,
             "types_after": types_after, "new_types": types_after - types_before,
-            "redis_used_memory_bytes": used, "recording_tokens": recording.tokens,
+            "stages_s": main_run["stages_s"], "redis_used_memory_bytes": used, "recording_tokens": recording.tokens,
+            "recording_jobs": len(recording.jobs),
             "cycles": main["tokens"] / recording.tokens, "windows": main_run["windows"],
             "by_window": by_window, "wall_s": round(time.perf_counter() - t0, 3)}
 
 
 def bench_steady_state(quick: bool, slowest, device: str = "cpu", budget_s: Optional[float] = None,
                        tokens: Optional[int] = None, shapes: Optional[list[str]] = None,
-                       recording: Optional[Recording] = None) -> dict:
+                       recording: Optional[Recording] = None, max_store_bytes: Optional[float] = None,
+                       on_shape=None) -> dict:
     """``{shape: steady_shape(...)}`` for ``shapes`` (default :data:`SHAPES`).
 
     ``tokens``: per shape (default 10^7 on a GPU, :data:`CPU_TOKENS` on a CPU);
     ``budget_s``: the whole section, shared equally by the shapes, seeding included
-    (default :data:`CPU_BUDGET_S` on a CPU, none on a GPU)."""
+    (default :data:`CPU_BUDGET_S` on a CPU, none on a GPU); ``max_store_bytes``: the
+    seeded vocabulary's bound (default :data:`CPU_STORE_BYTES` on a CPU, none on a GPU);
+    ``on_shape(results so far)`` after each shape."""
     from benchmarks.replay import record_bbc
 
     shapes = list(shapes or SHAPES)
     recording = recording or record_bbc()
-    if budget_s is None and device == "cpu":
-        budget_s = CPU_BUDGET_S[quick]
+    if device == "cpu":
+        budget_s = CPU_BUDGET_S[quick] if budget_s is None else budget_s
+        max_store_bytes = CPU_STORE_BYTES if max_store_bytes is None else max_store_bytes
     out = {}
     start = time.perf_counter()
     for i, shape in enumerate(shapes):
         want = tokens or (TARGET_TOKENS if device != "cpu" else CPU_TOKENS[quick][shape])
         left = None if budget_s is None else (budget_s - (time.perf_counter() - start)) / (len(shapes) - i)
-        out[shape] = steady_shape(shape, recording, want, device, left, slowest)
+        out[shape] = steady_shape(shape, recording, want, device, left, slowest,
+                                  max_store_bytes=max_store_bytes)
+        if on_shape is not None:
+            on_shape(out)
         print(f"steady_state {shape}: {out[shape]['tokens']:,} tokens at {out[shape]['tok_s']:,.0f} tok/s "
               f"({out[shape]['wall_s']:.0f} s)", file=sys.stderr, flush=True)
     return out
@@ -494,7 +529,9 @@ def main(argv=None) -> int:
     parser.add_argument("--budget", type=float, default=None, help="seconds for all shapes (seeding included)")
     parser.add_argument("--recording", default=None, help="a recording saved by --save-recording")
     parser.add_argument("--save-recording", default=None, help="save the BBC recording here and stop")
-    parser.add_argument("--out", default=None, help="write the JSON here")
+    parser.add_argument("--max-store-bytes", type=float, default=None,
+                        help="bound on the seeded vocabulary's bytes (default 1e9 on a CPU, none on a GPU)")
+    parser.add_argument("--out", default=None, help="write the JSON here (after each shape)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     if args.save_recording:
@@ -505,10 +542,15 @@ def main(argv=None) -> int:
         return 0
     recording = load_recording(args.recording) if args.recording else None
     shapes = [s for s in args.shapes.split(",") if s]
-    res = bench_steady_state(args.quick, None, args.device, args.budget, args.tokens, shapes, recording)
+
+    def write(res):
+        if args.out:
+            Path(args.out).write_text(json.dumps(res, indent=2, default=float) + "\n")
+
+    res = bench_steady_state(args.quick, None, args.device, args.budget, args.tokens, shapes, recording,
+                             args.max_store_bytes, write)
     print(table(res))
     if args.out:
-        Path(args.out).write_text(json.dumps(res, indent=2, default=float) + "\n")
         print(f"wrote {args.out}")
     return 0
 

@@ -14,14 +14,14 @@ from embgeom.store.keys import PairKeys
 from embgeom.store.reader import Reader, run_sync
 
 
-def synthetic_recording(jobs: int = 5, batches: int = 2, vocab: int = 3000, seed: int = 1) -> Recording:
+def synthetic_recording(jobs: int = 4, batches: int = 2, vocab: int = 1500, seed: int = 1) -> Recording:
     """Jobs of sorted unique ids with counts, as record_bbc makes them."""
     rng = np.random.default_rng(seed)
     out, job_list = [], []
     for _ in range(jobs):
         job = []
         for _ in range(batches):
-            ids = np.unique(rng.integers(0, vocab, 600))
+            ids = np.unique(rng.integers(0, vocab, 300))
             counts = rng.integers(1, 5, len(ids))
             job.append(len(out))
             out.append((ids.astype(np.int64), counts.astype(np.int64), int(counts.sum())))
@@ -52,7 +52,7 @@ def test_cycled_jobs_reach_tokens():
 def test_seed_jobs_cover_the_vocabulary_once():
     rec = synthetic_recording()
     vocab = np.unique(np.concatenate([b[0] for b in rec.batches]))
-    engine = SteadyEngine(rec, 2, 8, False, "cpu", vocab, seed_rows=700)
+    engine = SteadyEngine(rec, 2, 8, False, "cpu", vocab, seed_rows=400)
     ids = []
     for i in range(len(engine.seed_jobs)):
         job = engine.prepare([f"seed:{i}"])
@@ -60,7 +60,7 @@ def test_seed_jobs_cover_the_vocabulary_once():
             tokens, layers = engine.run(b)
             assert tokens.n.eq(1).all() and layers.n == len(tokens.ids)
             ids.append(tokens.ids.numpy())
-        assert sum(len(engine.run(b)[0].ids) for b in job.batches) <= 700
+        assert sum(len(engine.run(b)[0].ids) for b in job.batches) <= 400
     assert np.array_equal(np.sort(np.concatenate(ids)), vocab)
 
 
