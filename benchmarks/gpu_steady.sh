@@ -23,7 +23,8 @@
 # Environment: OUT (default the repository root), PYTHON (default python3),
 # STEADY_SECONDS (hard limit, default 420), STEADY_BUDGET (the shapes' budget, seeding
 # included, default 330), STEADY_DEVICE (default cuda), STEADY_TOKENS (default 10^7),
-# STEADY_MAX_STORE_BYTES (seeded vocabulary's bound, default 4e9),
+# STEADY_MAX_STORE_BYTES (the seeded vocabulary's bound, default 2e9: a larger shape
+# cycles a prefix of the recording whose types fit, so that seeding leaves time to replay),
 # STEADY_DRY=1: a dry run on a machine without a GPU (no wheels installed: the Python
 # given must have them; no GPU checks; give e.g. STEADY_DEVICE=cpu STEADY_TOKENS=50000).
 
@@ -84,7 +85,7 @@ echo "== steady state"
 mkdir -p "$OUTDIR"
 timeout -k 20 "${STEADY_SECONDS:-420}" "$PY" -m benchmarks.steady_state --device "$DEVICE" \
   --tokens "${STEADY_TOKENS:-10000000}" --budget "${STEADY_BUDGET:-330}" \
-  --max-store-bytes "${STEADY_MAX_STORE_BYTES:-4e9}" --recording .gpu/bbc_recording.npz \
+  --max-store-bytes "${STEADY_MAX_STORE_BYTES:-2e9}" --recording .gpu/bbc_recording.npz \
   --out "$OUTDIR/steady_state.json" "$@"
 rc=$?
 [ $rc = 124 ] && echo "gpu_steady.sh: cut at ${STEADY_SECONDS:-420} s; $OUTDIR/steady_state.json holds the shapes done"
