@@ -49,7 +49,9 @@ echo "== python"
 SITE=/tmp/site
 if [ "$DRY" != 1 ]; then
   ls .whl/*.whl >/dev/null 2>&1 || die ".whl/ holds no wheels (carry it)"
+  # A wheel is a zip laid out as site-packages: unpacked as such where pip is missing.
   "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .whl/*.whl \
+    || "$PY" -c "import sys, zipfile; [zipfile.ZipFile(w).extractall('$SITE') for w in sys.argv[1:]]" .whl/*.whl \
     || die "installing .whl/ into $SITE failed"
   export PYTHONPATH="$SITE:$REPO${PYTHONPATH:+:$PYTHONPATH}"
 else
