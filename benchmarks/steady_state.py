@@ -357,7 +357,7 @@ def replay_jobs(url: str, client, engine: SteadyEngine, registry: ReplayRegistry
 
     def ahead(elapsed: float) -> int:
         taken = engine.prepared - taken0
-        return taken + 2 + math.ceil(taken * 2 / max(elapsed, 1e-3))
+        return taken + 2 + math.ceil(taken * 2 / max(elapsed, 2.0))  # not from a first instant
 
     submitted = 0
 
