@@ -18,6 +18,9 @@ REPLAY_SHAPES: dict[str, dict] = {
     "mpnet_shape": {"layers": 13, "d": 768, "keep": None, "self_similarity": True},
     "1b_shape": {"layers": 17, "d": 2048, "keep": [0, 4, 8, 12, 16], "self_similarity": False},
     "1b_shape_all_layers": {"layers": 17, "d": 2048, "keep": None, "self_similarity": False},
+    # a 7B-class model (32 blocks of 4096) keeping 5 of its 33 hidden states
+    "7b_shape_5_layers": {"layers": 33, "d": 4096, "keep": [0, 8, 16, 24, 32],
+                          "self_similarity": False},
 }
 
 
