@@ -40,7 +40,6 @@ from embgeom.compute.models import ModelPool, ModelRegistry
 from embgeom.compute.window import WindowAccumulator
 from embgeom.errors import EmbgeomError, JobFenced, StoreUnavailable
 from embgeom import heap
-from embgeom.heap import HeapTrimmer
 from embgeom.settings import Settings
 from embgeom.stats import WindowMoments
 from embgeom.store import keys as K
@@ -177,7 +176,7 @@ class Worker:
         applier = threading.Thread(target=self._applier_loop, name=f"applier-{self.id}", daemon=True)
         beat.start()
         applier.start()
-        trimmer = HeapTrimmer(self.settings.heap_trim_seconds, f"heap-{self.id}").start()
+        trimmer = heap.HeapTrimmer(self.settings.heap_trim_seconds, f"heap-{self.id}").start()
         try:
             self.queue.prune_consumers(self.models)
         except redis.RedisError as exc:
