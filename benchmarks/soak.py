@@ -25,8 +25,9 @@ What runs (all real processes, nothing mocked):
   restarted, another worker; then small jobs of every model until each worker holds its
   models again (as before the load: the RSS window starts from loaded workers).
 
-What it measures (sampled every :data:`SAMPLE_S` seconds): RSS of the API and of each
-worker (``/proc/<pid>/status``), Redis ``used_memory`` and, once a minute and at the end,
+What it measures (sampled every :data:`SAMPLE_S` seconds): memory of the API and of each
+worker (:func:`process_memory`: RSS, its anonymous and file-backed parts, the resident
+pages of mapped weight files), Redis ``used_memory`` and, once a minute and at the end,
 ``MEMORY USAGE`` over each pair's keys by family (per (type, kept layer) at the end); the
 sealed checkpoints (``eg:{c:m}:inflight``, their owner); every response of 500 or more
 (endpoint, body); the latency of every read by endpoint (p50, p99).
@@ -45,14 +46,20 @@ At the end the load stops, every job is waited for, and the store is checked:
   against the float64 one-text-at-a-time reference (``tests/reference.py``) within the
   tolerances of ``tests/test_e2e_minilm.py``.
 
-Acceptance, one PASS/FAIL line each: RSS flat over the last two thirds of the load, from
-when the restarted processes hold their models again (:func:`rss_growth`: growth <= 5% +
-50 MB; a worker's samples at rest -- no job, no window, nothing applying, two samples
-in a row -- compared per set of models it held; all its samples are kept as
+Acceptance, one PASS/FAIL line each: memory flat over the last two thirds of the load,
+from when the restarted processes hold their models again (:func:`rss_growth`: growth <=
+5% + 50 MB), compared at rest (:func:`at_rest`; every :data:`REST_EVERY_S` the load pauses
+for at most :data:`REST_MAX_S` until the workers are done, then the readers too, for
+longer than the processes' heap-trim period :data:`HEAP_TRIM_S`): the API's RSS; a
+worker's anonymous RSS (no job, no window, nothing applying, no work between its
+neighbouring samples) per set of models it held, and the resident pages of the weight
+files it maps within the pool's bound (:func:`weights_check`); a worker's RSS at rest and
+every process's samples while busy are kept as ``vmrss_at_rest`` and
 ``busy_included``), no checkpoint sealed longer than two leases
 without progress (an adoption, or more pieces applied), no 5xx but 503 while Redis
-was down, every job ended, no process died unless killed here, every count exact, values
-within tolerance. The exit status is 1 when a line fails.
+was down (with requests sent then: a fault never falls inside a rest pause), every job
+ended, no process died unless killed here, every count exact, values within tolerance.
+The exit status is 1 when a line fails.
 
 Timings and sizes depend on the machine and whatever else runs on it: a 2-core machine
 shared with other work gives noisy latencies; the checks above do not depend on speed.
@@ -94,6 +101,9 @@ SAMPLE_S = 3.0            # RSS, Redis memory and in-flight checkpoints
 MEMORY_EVERY_S = 60.0     # MEMORY USAGE over every key
 REDIS_GRACE_S = 15.0      # after Redis answers again, 503s are still the outage's (store timeout 10 s)
 RSS_SLACK = (0.05, 50.0)  # growth allowed over the last two thirds: 5% + 50 MB
+REST_EVERY_S = 120.0      # the load pauses this often until every process is at rest ...
+REST_MAX_S = 90.0         # ... for at most this long: memory is compared at rest
+HEAP_TRIM_S = 10.0        # EMBGEOM_HEAP_TRIM_SECONDS of every process: at rest, trimmed within a pause
 OUTSTANDING_JOBS = 6      # unfinished jobs the load keeps at most (a slow machine is not buried)
 # The API's bounded caches, small: they fill before the RSS window, so what grows in it
 # is what nothing bounds (defaults: 64 MB of figures, 256 MB of token matrices).
@@ -248,17 +258,48 @@ class Child:
                     self.kill()
 
 
-def rss_mb(pid: Optional[int]) -> Optional[float]:
-    """Resident set size of ``pid`` in MB (VmRSS of /proc/<pid>/status), None if gone."""
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
+
+
+def process_memory(pid: Optional[int]) -> Optional[dict]:
+    """Memory of ``pid`` in MB, None if gone: ``rss`` (VmRSS), its anonymous part ``anon``
+    (RssAnon: heap, tensors, windows) and file-backed part ``file`` (RssFile: shared
+    libraries and memory-mapped model weights, page cache the kernel can reclaim), from
+    /proc/<pid>/status; ``weights``, the resident pages of mapped weight files
+    (:data:`WEIGHT_SUFFIXES`), and ``weight_files``, how many such files are mapped, from
+    /proc/<pid>/smaps. safetensors weights stay mapped while a model is loaded, so a model
+    kept after its eviction shows here, whatever the allocator does."""
     if pid is None:
         return None
     try:
+        status = {}
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "RssAnon", "RssFile"):
+                status[key] = int(value.split()[0]) / 1024
+        weights, files, path = 0.0, set(), None
+        with open(f"/proc/{pid}/smaps") as f:
+            for line in f:
+                if line.startswith("Rss:"):
+                    if path is not None:
+                        weights += int(line.split()[1]) / 1024
+                elif "-" in line.split(" ", 1)[0]:   # a mapping's header line
+                    parts = line.split(maxsplit=5)
+                    path = parts[5].strip() if len(parts) > 5 and parts[5].strip().endswith(WEIGHT_SUFFIXES) else None
+                    if path is not None:
+                        files.add(path)
     except OSError:
         return None
-    return None
+    if "VmRSS" not in status:
+        return None
+    return {"rss": round(status["VmRSS"], 1), "anon": round(status.get("RssAnon", 0.0), 1),
+            "file": round(status.get("RssFile", 0.0), 1), "weights": round(weights, 1),
+            "weight_files": len(files)}
+
+
+def weight_bytes(path: str) -> int:
+    """Bytes of the weight files (:data:`WEIGHT_SUFFIXES`) under a model's folder."""
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.name.endswith(WEIGHT_SUFFIXES))
 
 
 # ------------------------------------------------------------------------- records
@@ -285,8 +326,9 @@ class Log:
     latency: dict = field(default_factory=lambda: defaultdict(list))   # endpoint -> [ms]
     statuses: dict = field(default_factory=lambda: defaultdict(Counter))  # endpoint -> status -> n
     errors_5xx: list = field(default_factory=list)
+    requests_at: list = field(default_factory=list)  # when each request was sent (time.time())
     connect_errors: Counter = field(default_factory=Counter)
-    rss: list = field(default_factory=list)          # (t, role, pid, MB)
+    rss: list = field(default_factory=list)          # (t, role, pid, process_memory(), loaded, at rest, work)
     redis_mem: list = field(default_factory=list)    # (t, used_memory MB, rss MB)
     redis_families: list = field(default_factory=list)  # (t, {pair: {family: bytes}})
     faults: list = field(default_factory=list)       # {"t", "what", "down_s"}
@@ -314,6 +356,8 @@ class Http:
 
     def request(self, method: str, path: str, endpoint: str, **kw) -> Optional[httpx.Response]:
         start = time.perf_counter()
+        with self.log.lock:
+            self.log.requests_at.append(time.time())
         try:
             r = self.client.request(method, path, **kw)
         except httpx.HTTPError as exc:
@@ -353,6 +397,17 @@ class Soak:
         self.uncertain: list[str] = []
         self.stop_load = threading.Event()
         self.stop_all = threading.Event()
+        # Readers read while this is set; the rest pauses clear it. ``reads_in_flight``
+        # and ``api_quiet_since`` (when the last read of a pause returned) tell the sampler
+        # when the API is at rest.
+        self.reads_allowed = threading.Event()
+        self.reads_allowed.set()
+        self.reads_lock = threading.Lock()
+        self.reads_in_flight = 0
+        # A fault and a rest pause never overlap: a fault strikes while jobs and readers
+        # run (a Redis outage inside a pause would test no read), a pause sees no restart.
+        self.phase_lock = threading.Lock()
+        self.api_quiet_since: Optional[float] = None
         self.redis = None
         self.api: Optional[Child] = None
         self.workers: list[Child] = []
@@ -384,7 +439,7 @@ class Soak:
         self.redis = RedisServer(self.workdir / "redis").start(timeout=120)
         common = {**_env(), "EMBGEOM_MODELS": json.dumps(models_env),
                   "EMBGEOM_LEASE_SECONDS": str(LEASE_S), "EMBGEOM_HEARTBEAT_SECONDS": str(HEARTBEAT_S),
-                  **API_CACHES}
+                  "EMBGEOM_HEAP_TRIM_SECONDS": str(HEAP_TRIM_S), **API_CACHES}
         for key in ("EMBGEOM_MAX_WINDOW_TOKENS", "EMBGEOM_REDIS_URL"):
             common.pop(key, None)
         self.env = common
@@ -412,6 +467,7 @@ class Soak:
         self.registry = ModelRegistry.from_settings(self.settings)
         for m in self.models:
             self.model_layers[m] = self.registry.info(m).num_layers + 1
+        self.weight_mb = {m: weight_bytes(self.registry.path(m)) / 2**20 for m in self.models}
         http = Http(self.url, self.log)
         for c, (settings, _, _) in self.plan.items():
             self.put_collection(http, c, settings)
@@ -523,13 +579,18 @@ class Soak:
         http = Http(self.url, self.log)
         deletes_at = [load_seconds * f for f in (0.2, 0.45, 0.7)]
         start = time.time()
+        next_rest = REST_EVERY_S
         try:
             while not self.stop_load.is_set():
                 now = time.time() - start
                 if now >= load_seconds:
                     break
                 self.poll(http)
-                if deletes_at and now >= deletes_at[0]:
+                if now >= next_rest:
+                    with self.phase_lock:
+                        self.pause_until_at_rest(http, min(REST_MAX_S, load_seconds - now))
+                    next_rest = time.time() - start + REST_EVERY_S
+                elif deletes_at and now >= deletes_at[0]:
                     deletes_at.pop(0)
                     self.delete_cycle(http)
                 elif len(self.unfinished()) < OUTSTANDING_JOBS:
@@ -537,6 +598,45 @@ class Soak:
                 time.sleep(self.rng.uniform(0.5, 2.0))
         finally:
             http.close()
+
+    def pause_until_at_rest(self, http: Http, timeout: float) -> None:
+        """A rest pause of at most ``timeout`` seconds: no new jobs until every worker has
+        been at rest in two samples in a row (its queue drained, its window applied), then
+        no reads until every process has three samples at rest. Without such pauses a
+        process busy at every sample has no memory at rest to compare."""
+        begin, deadline = self.log.t(), time.monotonic() + timeout
+
+        def resting(roles, since, n):
+            with self.log.lock:
+                recent = {role: [x[5] for x in self.log.rss if x[1] == role and x[0] > since][-n:]
+                          for role in roles}
+            return all(len(r) == n and all(r) for r in recent.values())
+
+        workers = [w.role for w in self.workers]
+        while not resting(workers, begin, 2):
+            if time.monotonic() >= deadline or self.stop_load.is_set():
+                self.log.note(f"load paused {self.log.t() - begin:.0f} s: not every worker came to rest")
+                return
+            self.poll(http)
+            time.sleep(1.0)
+        quiet = self.log.t()
+        with self.reads_lock:
+            self.reads_allowed.clear()
+            if not self.reads_in_flight:
+                self.api_quiet_since = time.time()
+        try:
+            while not resting([self.api.role, *workers], quiet, 3):
+                if time.monotonic() >= deadline or self.stop_load.is_set():
+                    self.log.note(f"load paused {self.log.t() - begin:.0f} s, reads {self.log.t() - quiet:.0f} s:"
+                                  " not every process came to rest")
+                    return
+                time.sleep(1.0)
+            self.log.note(f"load paused {self.log.t() - begin:.0f} s, reads {self.log.t() - quiet:.0f} s: "
+                          "every process at rest")
+        finally:
+            with self.reads_lock:
+                self.api_quiet_since = None
+                self.reads_allowed.set()
 
     def warm_up(self, timeout: float = 180, after: float = 0.0) -> None:
         """Small jobs of every model until each worker has loaded them (at most its LRU
@@ -642,6 +742,29 @@ class Soak:
         finally:
             http.close()
 
+    def read(self, http: Http, method: str, path: str, endpoint: str, **kw) -> Optional[httpx.Response]:
+        """One reader's request, once reads are allowed (not during a rest pause)."""
+        while not self.reads_allowed.wait(1.0):
+            if self.stop_load.is_set():
+                return None
+        with self.reads_lock:
+            self.reads_in_flight += 1
+        try:
+            return http.request(method, path, endpoint, **kw)
+        finally:
+            with self.reads_lock:
+                self.reads_in_flight -= 1
+                if not self.reads_allowed.is_set() and not self.reads_in_flight:
+                    self.api_quiet_since = time.time()
+
+    def api_at_rest(self) -> bool:
+        """No read in flight or allowed for longer than the API's heap-trim period (so what
+        it holds is its caches and models, trimmed), plus a sample."""
+        with self.reads_lock:
+            quiet = self.api_quiet_since
+            return (not self.reads_allowed.is_set() and not self.reads_in_flight and quiet is not None
+                    and time.time() - quiet >= HEAP_TRIM_S + SAMPLE_S)
+
     def sweep(self, http: Http, rng: random.Random) -> None:
         """Every GET of the live OpenAPI document once (random pair, random order), then a
         global comparison; a read without an answer (the API restarting) waits a second."""
@@ -661,7 +784,7 @@ class Soak:
                     self.not_read.add(f"{endpoint} (no token page of the pair yet)")
                     continue
                 path = path.replace("{token_id}", str(rng.choice(ids)))
-            r = http.request("GET", path, "GET " + endpoint, params=params)
+            r = self.read(http, "GET", path, "GET " + endpoint, params=params)
             if r is None:
                 time.sleep(1)
             elif r.status_code == 200 and endpoint.endswith("/tokens"):
@@ -673,7 +796,7 @@ class Soak:
         def layer(cc, mm):
             return rng.choice(self.plan[cc][0].get("layers") or list(range(self.model_layers[mm])))
 
-        http.request("POST", "/v1/compare/global", "POST /v1/compare/global",
+        self.read(http, "POST", "/v1/compare/global", "POST /v1/compare/global",
                      json={"a": {"collection": c, "model": m, "layer": layer(c, m)},
                            "b": {"collection": oc, "model": om, "layer": layer(oc, om)},
                            "min_count": 2})
@@ -690,14 +813,16 @@ class Soak:
         while not self.stop_all.is_set():
             t = self.log.t()
             loaded = self.worker_states(client)
+            api_rest = self.api_at_rest()
             for child in [self.api, *self.workers]:
                 with child.lock:
                     pid = child.pid if child.alive() else None
-                mb = rss_mb(pid)
-                if mb is not None:
+                mem = process_memory(pid)
+                if mem is not None:
                     with self.log.lock:
-                        self.log.rss.append((t, child.role, pid, round(mb, 1),
-                                             *loaded.get(child.role, (None, None))))
+                        state = (None, api_rest, None) if child is self.api else \
+                            loaded.get(child.role, (None, None, None))
+                        self.log.rss.append((t, child.role, pid, mem, *state))
                     continue
                 code = child.restart_if_died()
                 if code is not None:
@@ -718,7 +843,10 @@ class Soak:
                     keys = PairKeys(c, m)
                     for cp, sealed in client.zrange(keys.inflight, 0, -1, withscores=True):
                         cp = cp.decode() if isinstance(cp, bytes) else cp
-                        owner = client.hget(keys.checkpoint(cp), "owner")
+                        # An adoption counts a try: a worker restarted under the same id
+                        # adopts its predecessor's checkpoint without changing the owner.
+                        owner, tries = client.hmget(keys.checkpoint(cp), ["owner", "tries"])
+                        owner = None if owner is None else f"{owner.decode()} (run {int(tries or 1)})"
                         record = checkpoints.record(keys, cp)
                         progress = checkpoints.progress(keys, record) if record else -1
                         self.track_checkpoint(f"{c}/{m}/{cp}", sealed, owner, now_ms, progress)
@@ -740,9 +868,10 @@ class Soak:
         if client is not None:
             client.close()
 
-    def worker_states(self, client) -> dict[str, tuple[tuple[str, ...], bool]]:
+    def worker_states(self, client) -> dict[str, tuple]:
         """role -> (the models each worker's last heartbeat says it holds, whether it was at
-        rest: no job, no window, nothing applying) ({} without Redis)."""
+        rest: no job, no window, nothing applying, what it has done: jobs, checkpoints and
+        seconds of work so far) ({} without Redis)."""
         from embgeom.worker import live_workers
 
         if client is None:
@@ -751,12 +880,15 @@ class Soak:
             beats = live_workers(client, 3 * HEARTBEAT_S + 2)
         except Exception:
             return {}
-        by_id = {w["id"]: (tuple(sorted(w.get("loaded") or [])), bool(w.get("at_rest"))) for w in beats}
+        by_id = {w["id"]: (tuple(sorted(w.get("loaded") or [])), bool(w.get("at_rest")),
+                           (w.get("jobs_done"), w.get("checkpoints"),
+                            round(sum((w.get("stage_seconds") or {}).values()), 3)))
+                 for w in beats}
         return {c.role: by_id[c.args[c.args.index("--worker-id") + 1]] for c in self.workers
                 if c.args[c.args.index("--worker-id") + 1] in by_id}
 
     def track_checkpoint(self, name: str, sealed_ms: float, owner, now_ms: float, progress: int = -1) -> None:
-        """Progress of a sealed checkpoint is a new owner (an adoption) or more of it
+        """Progress of a sealed checkpoint is a new owner or run (an adoption) or more of it
         applied (pieces, layer parts); ``stalled_s`` is the longest time without either."""
         owner = owner.decode() if isinstance(owner, bytes) else owner
         with self.log.lock:
@@ -782,22 +914,23 @@ class Soak:
         for frac, what in FAULTS:
             if self.stop_load.wait(max(0.0, start + frac * load_seconds - time.time())):
                 return
-            t0 = time.time()
-            if what.startswith("worker"):
-                self.workers[int(what[-1])].restart(pause=2)
-            elif what == "redis":
-                self.redis.kill()
-                time.sleep(3)
-                self.redis.start(timeout=180)
+            with self.phase_lock:
+                t0 = time.time()
+                if what.startswith("worker"):
+                    self.workers[int(what[-1])].restart(pause=2)
+                elif what == "redis":
+                    self.redis.kill()
+                    time.sleep(3)
+                    self.redis.start(timeout=180)
+                    with self.log.lock:
+                        self.log.outages.append((t0, time.time() + REDIS_GRACE_S))
+                elif what == "serve":
+                    self.api.restart()
+                    self.wait_api()
                 with self.log.lock:
-                    self.log.outages.append((t0, time.time() + REDIS_GRACE_S))
-            elif what == "serve":
-                self.api.restart()
-                self.wait_api()
-            with self.log.lock:
-                self.log.faults.append({"t": round(t0 - self.log.start, 1), "what": f"SIGKILL {what}",
-                                        "down_s": round(time.time() - t0, 1)})
-            self.log.note(f"SIGKILL {what}: back after {time.time() - t0:.1f} s")
+                    self.log.faults.append({"t": round(t0 - self.log.start, 1), "what": f"SIGKILL {what}",
+                                            "down_s": round(time.time() - t0, 1)})
+                self.log.note(f"SIGKILL {what}: back after {time.time() - t0:.1f} s")
         # Restarted workers load their models again before the RSS window starts.
         self.warm_up(timeout=120, after=time.time())
         self.warm_after_faults = time.time()
@@ -994,23 +1127,40 @@ class Soak:
         window = (max(third, getattr(self, "warm_after_faults", third)), self.load_end)
         rss = {}
         for child in [self.api, *self.workers]:
-            mine = [(t + log.start, mb, loaded, rest) for t, role, pid, mb, loaded, rest in log.rss
+            mine = [(t + log.start, mem, loaded, rest, work) for t, role, pid, mem, loaded, rest, work in log.rss
                     if role == child.role and pid == child.pid]
+            rest = at_rest(mine)
             if child is self.api:
-                rss[child.role] = rss_growth([(t, mb) for t, mb, *_ in mine], *window)
+                # Its RSS while reading follows the largest answer being built, which grows
+                # with the collections (a report over more types): compared at rest, readers
+                # paused for longer than its heap-trim period; all samples kept beside.
+                got = rss_growth([(t, mem["rss"]) for t, mem, _ in rest], *window)
+                got["measure"], got["rest_samples"] = "VmRSS at rest", len(rest)
+                got["busy_included"] = rss_growth([(t, mem["rss"]) for t, mem, *_ in mine], *window)
+                rss[child.role] = got
                 continue
-            # A busy worker's RSS follows the window it holds (hundreds of MB, by the jobs
-            # it drew): its memory is compared at rest, after two samples at rest in a row
-            # (the worker hands its window's pages back when a checkpoint completes).
-            rest = [(t, mb, loaded) for (t, mb, loaded, r), (_, _, _, r_before)
-                    in zip(mine[1:], mine) if r and r_before]
-            got = rss_growth(rest, *window)
+            # A busy worker's memory follows the window it holds (hundreds of MB, by the jobs
+            # it drew): it is compared at rest, after two samples at rest in a row (the
+            # worker hands its window's pages back when a checkpoint completes). Its
+            # anonymous memory is what a leak of objects, tensors or windows grows; the
+            # file-backed rest is libraries and the mapped weights of the models it holds,
+            # whose resident pages follow what the forwards touched (an embedding's rows)
+            # and what the kernel reclaimed: those are bounded by the pool instead.
+            got = rss_growth([(t, mem["anon"], loaded) for t, mem, loaded in rest], *window)
+            got["measure"] = "RssAnon at rest"
             got["rest_samples"], got["samples_all"] = len(rest), len(mine)
-            got["busy_included"] = rss_growth([(t, mb, loaded) for t, mb, loaded, _ in mine], *window)
+            got["busy_included"] = rss_growth([(t, mem["anon"], loaded) for t, mem, loaded, *_ in mine], *window)
+            got["vmrss_at_rest"] = rss_growth([(t, mem["rss"], loaded) for t, mem, loaded in rest], *window)
+            got["weights"] = weights_check([mem for _, mem, _ in rest], self.weight_mb,
+                                           self.settings.max_loaded_models)
+            got["ok"] = got["ok"] and got["weights"]["ok"]
             rss[child.role] = got
         allowed = [e for e in log.errors_5xx if e["status"] == 503
                    and any(a <= e["at"] <= b for a, b in log.outages)]
         bad = [e for e in log.errors_5xx if e not in allowed]
+        # Requests sent while Redis was down (its restart's grace included): an outage no
+        # request saw would leave the line below proving nothing.
+        during_outage = sum(any(a <= t <= b for a, b in log.outages) for t in log.requests_at)
         limit = 2 * LEASE_S
         stalled = max((r["stalled_s"] for r in log.checkpoints.values()), default=0.0)
         sealed = max((r.get("sealed_s", 0.0) for r in log.checkpoints.values()), default=0.0)
@@ -1029,17 +1179,19 @@ class Soak:
                                                                or range(self.model_layers[m]))
                                                for c, m in self.pairs()})
         acceptance = [
-            ("RSS flat over the last two thirds (growth <= 5% + 50 MB; workers at rest, per set of loaded models)",
+            ("memory flat over the last two thirds (growth <= 5% + 50 MB: the API's RSS at rest; workers' "
+             "anonymous RSS at rest per set of loaded models, mapped weights within the pool's bound)",
              all(r["ok"] for r in rss.values()),
-             "; ".join(f"{k} {r['growth_mb']:+.0f} MB (limit {r['limit_mb']:.0f}"
-                       + (f", {r['rest_samples']} samples at rest" if "rest_samples" in r else "") + ")"
+             "; ".join(f"{k} {r['growth_mb']:+.0f} MB (limit {r['limit_mb']:.0f}, {r['rest_samples']} samples at rest"
+                       + (f"; weights {r['weights']['max_mb']:.0f} MB of {r['weights']['bound_mb']:.0f}"
+                          if "weights" in r else "") + ")"
                        for k, r in rss.items())),
             (f"no checkpoint sealed longer than two leases ({limit:g} s) without progress (a new owner or more applied)",
              stalled <= limit and not still,
              f"longest without progress {stalled:.1f} s, longest sealed {sealed:.1f} s"
              + (f"; still sealed at the end: {still}" if still else "")),
-            ("no 5xx but 503 during the Redis outage", not bad,
-             f"{len(bad)} other 5xx, {len(allowed)} 503 during the outage"),
+            ("no 5xx but 503 during the Redis outage", not bad and (during_outage > 0 or not log.outages),
+             f"{len(bad)} other 5xx; {during_outage} requests during the outage, {len(allowed)} of them 503"),
             ("every job ended", not unfinished, f"{len(unfinished)} unfinished; {dict(status)}"),
             ("no process died unless killed here", not log.unexpected_exits,
              f"{len(log.unexpected_exits)} unexpected exits"),
@@ -1067,6 +1219,7 @@ class Soak:
                             "count": len(log.checkpoints),
                             "worst": sorted(log.checkpoints.items(), key=lambda kv: -kv[1]["stalled_s"])[:5]},
             "errors_5xx": log.errors_5xx, "errors_5xx_not_allowed": bad,
+            "requests_during_outage": during_outage,
             "connect_errors": dict(log.connect_errors), "latency": latency,
             "not_read": sorted(e for e in self.not_read if "GET " + e.split(" (")[0] not in latency),
             "counts": results["counts"], "values": results["values"],
@@ -1134,6 +1287,34 @@ def rss_growth(series: list[tuple], start: float, end: float) -> dict:
     worst = max(by_loaded.values(), key=lambda g: g["growth_mb"] - g["limit_mb"])
     return {**worst, "ok": all(g["ok"] for g in by_loaded.values()),
             "compared": "per set of loaded models", "by_loaded": by_loaded, "overall": overall}
+
+
+def at_rest(samples: list[tuple]) -> list[tuple]:
+    """The samples ``(t, memory, loaded, rest, work)`` of one process taken at rest:
+    the middle of three in a row that say they are at rest, hold the same models, and
+    between whose first and last no work was done (``work``, a worker's count of jobs,
+    checkpoints and seconds of work, unchanged; None for the API, whose ``rest`` is exact).
+    A heartbeat is up to a period old: a job started and ended between two of them shows
+    as a spike of a sample "at rest" without the third condition. Returns (t, memory,
+    loaded)."""
+    return [(t, mem, loaded) for (_, _, l0, r0, w0), (t, mem, loaded, r, _), (_, _, l2, r2, w2)
+            in zip(samples, samples[1:], samples[2:])
+            if r0 and r and r2 and l0 == loaded == l2 and w0 == w2]
+
+
+def weights_check(samples: list[dict], weight_mb: dict[str, float], max_models: int) -> dict:
+    """The model pool's bound, seen from outside: at rest a worker maps the weight files
+    of at most ``max_models`` models, so their resident pages stay within the sum of the
+    ``max_models`` largest weight files (``weight_mb``: model -> MB) plus 1% (page
+    rounding). A model kept after its eviction (an engine cache that never lets go) maps
+    one more file and grows past the bound within a cycle of the models.
+
+    ``samples``: :func:`process_memory` dicts of the worker at rest."""
+    bound = sum(sorted(weight_mb.values(), reverse=True)[:max_models]) * 1.01
+    top = max((m["weights"] for m in samples), default=float("nan"))
+    files = max((m["weight_files"] for m in samples), default=0)
+    return {"ok": bool(samples) and top <= bound and files <= max_models, "max_mb": top,
+            "bound_mb": round(bound, 1), "max_files": files, "max_models": max_models}
 
 
 def _growth(series: list[tuple[float, float]], start: float, end: float) -> dict:
@@ -1207,14 +1388,23 @@ def table(res: dict) -> str:
              f"DELETEs {len(res['deletes'])}",
              "faults: " + "; ".join(f"{f['what']} at {f['t']:.0f} s (back after {f['down_s']:.0f} s)"
                                     for f in res["faults"]), "",
-             f"RSS (MB) over {res['rss_window_s'][0]:.0f}-{res['rss_window_s'][1]:.0f} s (the last two thirds, "
+             f"memory (MB) over {res['rss_window_s'][0]:.0f}-{res['rss_window_s'][1]:.0f} s (the last two thirds, "
              "from the end of the restarts' warm-up): largest of its first half -> largest of its last "
-             "quarter; workers per set of loaded models (the worst set shown; all: rss.by_loaded)"]
+             "quarter; the API's RSS at rest (busy: rss.api.busy_included); workers' anonymous RSS at rest per set of loaded models (the worst "
+             "set shown; all: rss.by_loaded), their RSS at rest beside, and the mapped weights' largest "
+             "resident size against the pool's bound"]
     for role, r in res["rss"].items():
         sets = f"  ({len(r['by_loaded'])} sets; worst {max(r['by_loaded'], key=lambda k: r['by_loaded'][k]['growth_mb'] - r['by_loaded'][k]['limit_mb'])})" \
             if r.get("by_loaded") else ""
-        lines.append(f"  {role:<8} {r.get('first_mb', float('nan')):8.0f} -> {r.get('last_mb', float('nan')):8.0f}"
-                     f"  growth {r['growth_mb']:+7.0f}  limit {r['limit_mb']:6.0f}  max {r.get('max_mb', float('nan')):6.0f}{sets}")
+        lines.append(f"  {role:<8} {r['measure']:<16} {r.get('first_mb', float('nan')):8.0f} -> "
+                     f"{r.get('last_mb', float('nan')):8.0f}  growth {r['growth_mb']:+7.0f}  limit {r['limit_mb']:6.0f}"
+                     f"  max {r.get('max_mb', float('nan')):6.0f}{sets}")
+        if "weights" in r:
+            v, w = r["vmrss_at_rest"], r["weights"]
+            lines.append(f"  {'':<8} {'VmRSS at rest':<16} {v.get('first_mb', float('nan')):8.0f} -> "
+                         f"{v.get('last_mb', float('nan')):8.0f}  growth {v['growth_mb']:+7.0f}   "
+                         f"weights {w['max_mb']:.0f} MB in {w['max_files']} files (bound {w['bound_mb']:.0f} MB, "
+                         f"{w['max_models']} models)  {r['rest_samples']} samples at rest")
     mem = res["redis_memory_series"]
     if mem:
         lines.append(f"Redis used_memory {mem[0][1]:.0f} -> {mem[-1][1]:.0f} MB (RSS {mem[-1][2]:.0f} MB)")
