@@ -1135,7 +1135,7 @@ class Soak:
                 # with the collections (a report over more types): compared at rest, readers
                 # paused for longer than its heap-trim period; all samples kept beside.
                 got = rss_growth([(t, mem["rss"]) for t, mem, _ in rest], *window)
-                got["measure"], got["rest_samples"] = "VmRSS at rest", len(rest)
+                got["measure"], got["rest_samples"], got["samples_all"] = "VmRSS at rest", len(rest), len(mine)
                 got["busy_included"] = rss_growth([(t, mem["rss"]) for t, mem, *_ in mine], *window)
                 rss[child.role] = got
                 continue
