@@ -555,7 +555,9 @@ class Soak:
 
     def delete_cycle(self, http: Http) -> None:
         """A burst of jobs to one collection, then its DELETE while they are queued, then
-        its settings PUT again (a DELETE drops them)."""
+        its settings PUT again (a DELETE drops them) and a job per model, as a user
+        re-ingesting would: every collection holds texts at the end, however late its
+        DELETE fell."""
         c = self.rng.choice(list(self.plan))
         with self.submit_lock:
             self._delete_cycle(http, c)
@@ -574,6 +576,8 @@ class Soak:
         self.deletes.append({"t": self.log.t(), "collection": c, "jobs_queued_then": queued})
         self.log.note(f"DELETE {c} with {queued} of its jobs queued")
         self.put_collection(http, c, self.plan[c][0])
+        for m in self.plan[c][1]:
+            self.random_job(http, c, m)
 
     def writer(self, load_seconds: float) -> None:
         http = Http(self.url, self.log)
