@@ -271,9 +271,9 @@ class ReplayRegistry:
 
         return ModelInfo(name=name, source="replay", architecture="Replay",
                          num_layers=self.spec["layers"] - 1, hidden_size=self.spec["d"],
-                         vocab_size=self.vocab, max_length=self.window)
+                         vocab_size=self.vocab, max_length=self.window, tokenizer_size=self.vocab)
 
-    def tokenizer(self, name):
+    def tokenizer(self, name, keep=True):
         return _Vocabulary(self.vocab)
 
 

@@ -333,11 +333,10 @@ class Worker:
             return conf
         settings = self.collections.ensure(pair.collection)
         info = self.registry.info(pair.model)
-        tokenizer = self.registry.tokenizer(pair.model)
         # The window length (this worker's registry: the model's maximum capped by its
         # max_window_tokens) is pinned here: it decides counts, for every later worker.
         return self.collections.ensure_conf(pair, PairConf.resolve(
-            settings, gen, info.num_layers + 1, info.hidden_size, len(tokenizer),
+            settings, gen, info.num_layers + 1, info.hidden_size, info.tokenizer_size,
             self.settings.shards, self.settings.chunk_bytes, info.architecture, time.time(),
             window_tokens=info.max_length, record_bytes=self.settings.record_bytes))
 

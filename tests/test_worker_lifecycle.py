@@ -102,6 +102,26 @@ def test_cycling_models_keeps_one_engine_per_loaded_model(redis_server, tiny_mod
     assert alive_engines == [5], f"engines of cycles {alive_engines} still alive"
 
 
+def test_a_workers_tokenizers_leave_with_their_models(redis_server, tiny_models):
+    """Under max_loaded_models=1, alternating two models: each model's tokenizer is
+    collected with the model (the registry's cache kept every tokenizer a worker had
+    touched: about 300 MB for Gemma 3, a one-time step the soak saw in every worker), and
+    resolving a pair's configuration keeps none."""
+    w = make_worker(redis_server.url, ["ga", "gb"], models=tiny_models, max_loaded_models=1)
+    tokenizers = []
+    for cycle in range(4):
+        model = ("ga", "gb")[cycle % 2]
+        ingest(w, "tok", model, sentences(cycle, 5))
+        checkpoint(w)
+        loaded = w.pool.get(model)
+        tokenizers.append(weakref.ref(loaded.tokenizer))
+        del loaded
+    gc.collect()
+    assert [i for i, r in enumerate(tokenizers) if r() is not None] == [3]
+    assert w.registry._tokenizers == {}
+    assert w.registry.info("ga").tokenizer_size == len(w.registry.tokenizer("ga", keep=False)) > 1000
+
+
 def test_a_small_window_of_a_wide_model_does_not_start_at_a_narrow_models_size(redis_server, tiny_models):
     """A narrow window reaches many rows; the next window, of a model 4x deeper and 8x
     wider, holding 2 short texts, starts within the byte budget and below the narrow

@@ -49,6 +49,7 @@ class ModelInfo:
     hidden_size: int
     vocab_size: int
     max_length: int
+    tokenizer_size: int  # len(tokenizer): the vocabulary with added tokens, what ids range over
 
 
 class ModelRegistry:
@@ -112,7 +113,7 @@ class ModelRegistry:
                 else AutoConfig.from_pretrained(path)
         except (OSError, ValueError) as exc:
             raise ModelLoadError(name, str(exc)) from exc
-        tokenizer = self.tokenizer(name)
+        tokenizer = self.tokenizer(name, keep=False)
         info = ModelInfo(
             name=name,
             source=spec.source,
@@ -121,19 +122,29 @@ class ModelRegistry:
             hidden_size=int(config.hidden_size),
             vocab_size=int(config.vocab_size),
             max_length=self._max_length(config, tokenizer),
+            tokenizer_size=len(tokenizer),
         )
         self._infos[name] = info
         return info
 
-    def tokenizer(self, name: str):
-        if name not in self._tokenizers:
-            spec = self.source(name)
-            try:
-                kwargs = {"gguf_file": spec.gguf_file} if spec.gguf_file else {}
-                self._tokenizers[name] = AutoTokenizer.from_pretrained(self.path(name), **kwargs)
-            except (OSError, ValueError) as exc:
-                raise ModelLoadError(name, str(exc)) from exc
-        return self._tokenizers[name]
+    def tokenizer(self, name: str, keep: bool = True):
+        """``name``'s tokenizer. ``keep``: cached for the registry's life (the API decodes
+        tokens of every model it reads; at most one per registered model). Without it, the
+        cached one if there is one, else a fresh one the caller owns: a worker's
+        tokenizers belong to its loaded models and leave with them (Gemma 3's holds about
+        300 MB), not to a cache that would keep every model the worker ever touched."""
+        cached = self._tokenizers.get(name)
+        if cached is not None:
+            return cached
+        spec = self.source(name)
+        try:
+            kwargs = {"gguf_file": spec.gguf_file} if spec.gguf_file else {}
+            tokenizer = AutoTokenizer.from_pretrained(self.path(name), **kwargs)
+        except (OSError, ValueError) as exc:
+            raise ModelLoadError(name, str(exc)) from exc
+        if keep:
+            tokenizer = self._tokenizers.setdefault(name, tokenizer)
+        return tokenizer
 
     def _max_length(self, config, tokenizer) -> int:
         limits = []
@@ -339,5 +350,5 @@ class ModelPool:
         param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         log.info("loaded model %s from %s on %s in %s (%.0f MB)", name, path, self.device,
                  self.dtype, param_bytes / 2**20)
-        return LoadedModel(info, self.registry.tokenizer(name), model, self.device, param_bytes,
+        return LoadedModel(info, self.registry.tokenizer(name, keep=False), model, self.device, param_bytes,
                            self.dtype)
