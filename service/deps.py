@@ -87,7 +87,7 @@ CollectionDep = Annotated[str, Depends(valid_collection)]
 
 async def model_info(rt: RuntimeDep, model: ModelPath) -> ModelInfo:
     rt.registry.source(model)  # UnknownModel -> 404
-    return rt.registry.info(model)
+    return await rt.model_info(model)
 
 
 ModelDep = Annotated[ModelInfo, Depends(model_info)]

@@ -21,8 +21,9 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import redis
+from starlette.concurrency import run_in_threadpool
 
-from embgeom.compute.models import ModelPool, ModelRegistry
+from embgeom.compute.models import ModelInfo, ModelPool, ModelRegistry
 from embgeom.heap import HeapTrimmer
 from embgeom.lifetime import spawn
 from embgeom.settings import Settings
@@ -65,6 +66,20 @@ class Runtime:
     async def read(self, plan):
         """Run a read plan on the async client (within ``store_timeout_seconds``)."""
         return await run_async(self.aredis, plan, self.settings.store_timeout_seconds)
+
+    # A model's first read loads its configuration and tokenizer from disk (0.8 s for
+    # SmolLM2's tokenizer, seconds for Gemma 3's). On the event loop that stalled every
+    # request meanwhile, /healthz included; these load on the thread pool instead, and
+    # answer from the registry's cache at once after.
+    async def model_info(self, model: str) -> ModelInfo:
+        if self.registry.info_loaded(model):
+            return self.registry.info(model)
+        return await run_in_threadpool(self.registry.info, model)
+
+    async def tokenizer(self, model: str):
+        if self.registry.tokenizer_loaded(model):
+            return self.registry.tokenizer(model)
+        return await run_in_threadpool(self.registry.tokenizer, model)
 
     def read_sync(self, plan):
         """Run a read plan on the sync client (CPU-heavy reads, on the thread pool)."""

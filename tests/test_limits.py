@@ -372,3 +372,43 @@ def test_no_route_calls_sync_redis_on_the_event_loop(client):
                     "/v1/collections/c/models/minilm/layers/1/tokens?limit=5"):
             client.get(url)
     assert not violations, violations[0]
+
+
+def test_a_first_read_of_a_model_does_not_stall_other_requests(tmp_path_factory):
+    """The first token page of a model loads its tokenizer (0.8 s for SmolLM2's, seconds
+    for Gemma 3's). On the event loop, that stalled every request meanwhile, /healthz
+    included; on the thread pool, /healthz answers while the page waits for it. The load
+    is made 1.5 s long here, so the difference cannot hide in the noise."""
+    from tests.conftest import app_with_worker, wait_for_jobs
+
+    with app_with_worker(tmp_path_factory) as c:
+        r = c.post("/v1/jobs", json={"collection": "cold", "model": "minilm",
+                                     "texts": ["A first text.", "And a second one."]})
+        assert [s["status"] for s in wait_for_jobs(c, [r.json()["job_id"]], timeout=300)] == ["done"]
+        registry = c.app.state.runtime.registry
+        registry._tokenizers.clear()
+        registry._infos.clear()  # the model's configuration: loaded on the first read too
+        load = registry.tokenizer
+
+        def slow_load(name, keep=True):
+            time.sleep(1.5)
+            return load(name, keep)
+
+        registry.tokenizer = slow_load
+        page: dict = {}
+
+        def read_page():
+            t0 = time.perf_counter()
+            page["status"] = c.get("/v1/collections/cold/models/minilm/layers/1/tokens").status_code
+            page["seconds"] = time.perf_counter() - t0
+
+        reader = threading.Thread(target=read_page)
+        reader.start()
+        time.sleep(0.3)  # the page is inside its tokenizer load
+        t0 = time.perf_counter()
+        assert c.get("/healthz").status_code == 200
+        healthz_s = time.perf_counter() - t0
+        reader.join()
+        assert page["status"] == 200 and page["seconds"] >= 1.5  # the load ran, off the loop
+        assert healthz_s < 0.5, f"/healthz waited {healthz_s:.2f} s behind a tokenizer load"
+        assert registry.tokenizer_loaded("minilm") and registry.info_loaded("minilm")

@@ -146,6 +146,14 @@ class ModelRegistry:
             tokenizer = self._tokenizers.setdefault(name, tokenizer)
         return tokenizer
 
+    def tokenizer_loaded(self, name: str) -> bool:
+        """Whether :meth:`tokenizer` has ``name``'s cached (then it answers at once)."""
+        return name in self._tokenizers
+
+    def info_loaded(self, name: str) -> bool:
+        """Whether :meth:`info` has ``name``'s cached (then it answers at once)."""
+        return name in self._infos
+
     def _max_length(self, config, tokenizer) -> int:
         limits = []
         if 0 < getattr(tokenizer, "model_max_length", _NO_LIMIT) < _NO_LIMIT:

@@ -91,7 +91,7 @@ async def outlier_probe(body: ProbeRequest, rt: RuntimeDep) -> dict:
     beyond); while the model loads, 503 ``model_loading`` with ``Retry-After`` at once."""
     check_sync_texts(rt.settings, body.texts)
     rt.registry.source(body.model)  # unknown alias -> 404 unknown_model
-    info = rt.registry.info(body.model)
+    info = await rt.model_info(body.model)
     if body.layer > info.num_layers:
         raise NotFound("layer_not_found", f"layer {body.layer} is out of range 0..{info.num_layers}",
                        layer=body.layer, num_layers=info.num_layers)
