@@ -824,9 +824,11 @@ class Soak:
                 mem = process_memory(pid)
                 if mem is not None:
                     with self.log.lock:
-                        state = (None, api_rest, None) if child is self.api else \
-                            loaded.get(child.role, (None, None, None))
-                        self.log.rss.append((t, child.role, pid, mem, *state))
+                        state = (None, api_rest, None, None) if child is self.api else \
+                            loaded.get(child.role, (None, None, None, None))
+                        if state[3]:  # the worker's C heap (embgeom.heap.usage), beside its RSS
+                            mem["heap"] = state[3]
+                        self.log.rss.append((t, child.role, pid, mem, *state[:3]))
                     continue
                 code = child.restart_if_died()
                 if code is not None:
@@ -875,7 +877,7 @@ class Soak:
     def worker_states(self, client) -> dict[str, tuple]:
         """role -> (the models each worker's last heartbeat says it holds, whether it was at
         rest: no job, no window, nothing applying, what it has done: jobs, checkpoints and
-        seconds of work so far) ({} without Redis)."""
+        seconds of work so far, its C heap) ({} without Redis)."""
         from embgeom.worker import live_workers
 
         if client is None:
@@ -886,7 +888,7 @@ class Soak:
             return {}
         by_id = {w["id"]: (tuple(sorted(w.get("loaded") or [])), bool(w.get("at_rest")),
                            (w.get("jobs_done"), w.get("checkpoints"),
-                            round(sum((w.get("stage_seconds") or {}).values()), 3)))
+                            round(sum((w.get("stage_seconds") or {}).values()), 3)), w.get("heap"))
                  for w in beats}
         return {c.role: by_id[c.args[c.args.index("--worker-id") + 1]] for c in self.workers
                 if c.args[c.args.index("--worker-id") + 1] in by_id}
@@ -1155,6 +1157,12 @@ class Soak:
             got["rest_samples"], got["samples_all"] = len(rest), len(mine)
             got["busy_included"] = rss_growth([(t, mem["anon"], loaded) for t, mem, loaded, *_ in mine], *window)
             got["vmrss_at_rest"] = rss_growth([(t, mem["rss"], loaded) for t, mem, loaded in rest], *window)
+            # Where a growth lies: the C heap the program holds (in use) or keeps free.
+            heaps = [(t, mem["heap"], loaded) for t, mem, loaded in rest if mem.get("heap")]
+            if heaps:
+                got["heap_at_rest"] = {part: rss_growth([(t, h[part], loaded) for t, h, loaded in heaps], *window)
+                                       for part in ("in_use_mb", "free_mb", "mmap_mb")}
+                got["heap_at_rest"]["arenas"] = max(h["arenas"] for _, h, _ in heaps)
             got["weights"] = weights_check([mem for _, mem, _ in rest], self.weight_mb,
                                            self.settings.max_loaded_models)
             got["ok"] = got["ok"] and got["weights"]["ok"]
@@ -1409,6 +1417,12 @@ def table(res: dict) -> str:
                          f"{v.get('last_mb', float('nan')):8.0f}  growth {v['growth_mb']:+7.0f}   "
                          f"weights {w['max_mb']:.0f} MB in {w['max_files']} files (bound {w['bound_mb']:.0f} MB, "
                          f"{w['max_models']} models)  {r['rest_samples']} samples at rest")
+        if "heap_at_rest" in r:
+            h = r["heap_at_rest"]
+            lines.append(f"  {'':<8} {'C heap at rest':<16} " + "  ".join(
+                f"{part[:-3].replace('_', ' ')} {h[part].get('first_mb', float('nan')):.0f} -> "
+                f"{h[part].get('last_mb', float('nan')):.0f}" for part in ("in_use_mb", "free_mb", "mmap_mb"))
+                + f"  arenas {h['arenas']}")
     mem = res["redis_memory_series"]
     if mem:
         lines.append(f"Redis used_memory {mem[0][1]:.0f} -> {mem[-1][1]:.0f} MB (RSS {mem[-1][2]:.0f} MB)")

@@ -193,6 +193,11 @@ class Settings(BaseSettings):
         30.0, ge=0, description="Every this many seconds the API and each worker hand the free "
                                 "pages of their C heap back to the system (glibc malloc_trim), so "
                                 "RSS follows what they hold; 0: never")
+    malloc_arenas: int = Field(
+        2, ge=0, description="glibc malloc arenas of the API and of each worker (M_ARENA_MAX): "
+                             "free memory in one arena serves no other, and with glibc's default "
+                             "(8 per core) a worker's threads spread its heap over a dozen; "
+                             "0: glibc's default")
     max_attempts: int = Field(3, ge=1, description="Deliveries before a job is dead-lettered")
     idempotency_ttl_seconds: int = Field(
         7 * 24 * 3600, ge=1, description="How long an Idempotency-Key names its job")

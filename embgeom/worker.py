@@ -171,6 +171,7 @@ class Worker:
 
     def run(self) -> None:
         log.info("worker %s serving %s", self.id, ", ".join(self.models))
+        heap.limit_arenas(self.settings.malloc_arenas)  # before its threads start
         beat = threading.Thread(target=self._heartbeat_loop, name=f"heartbeat-{self.id}", daemon=True)
         feeder = threading.Thread(target=self._feeder_loop, name=f"feeder-{self.id}", daemon=True)
         applier = threading.Thread(target=self._applier_loop, name=f"applier-{self.id}", daemon=True)
@@ -757,9 +758,13 @@ class Worker:
                 "job": current.job_id if current else None, "heartbeat": time.time(),
                 "jobs_done": self.jobs_done, "checkpoints": self.checkpoints,
                 "held": len(self._held), "applying": sealed,
-                # No job in hand, no window open, nothing being applied: what the
-                # process holds now is its models and caches alone.
-                "at_rest": current is None and self.window is None and not sealed,
+                # No job in hand, none being prepared (the feeder loads the next job's
+                # model: the soak saw a third weight file mapped "at rest"), no window
+                # open, nothing being applied: the process holds its models and caches alone.
+                "at_rest": (current is None and self.window is None and not sealed
+                            and self._feeder_idle.is_set() and self._ready.empty()),
+                # Where its RSS grows: allocated (in use) or kept free in the arenas.
+                "heap": heap.usage(),
                 "stage_seconds": {k: round(v, 6) for k, v in self.clock.seconds.items()}}
 
     def _heartbeat_loop(self) -> None:

@@ -24,7 +24,7 @@ import redis
 from starlette.concurrency import run_in_threadpool
 
 from embgeom.compute.models import ModelInfo, ModelPool, ModelRegistry
-from embgeom.heap import HeapTrimmer
+from embgeom.heap import HeapTrimmer, limit_arenas
 from embgeom.lifetime import spawn
 from embgeom.settings import Settings
 from embgeom.store.collections import Collections
@@ -138,6 +138,7 @@ class Runtime:
                            settings.idempotency_ttl_seconds, settings.retention_seconds),
             collections=Collections(client), reader=Reader(), server=server,
         )
+        limit_arenas(settings.malloc_arenas)
         rt.heap_trimmer = HeapTrimmer(settings.heap_trim_seconds, "api-heap-trimmer").start()
         if server is not None:
             env = {**settings.worker_environment(), "EMBGEOM_REDIS_URL": url}

@@ -234,3 +234,26 @@ def test_a_conf_fixed_before_the_window_was_pinned_counts_by_the_workers_length(
     old = PairConf.from_json(json.dumps(raw))
     assert old.window_tokens == 0
     assert w.engine(old, "minilm").window == 32 == w.registry.info("minilm").max_length
+
+
+def test_a_worker_preparing_a_job_is_not_at_rest(redis_server, tiny_models):
+    """The heartbeat's ``at_rest`` (what the soak compares memory at) is false while the
+    feeder holds a job: taken and being prepared (its model loading: the soak saw a third
+    weight file mapped at "rest"), or prepared and waiting for the main thread."""
+    w = make_worker(redis_server.url, ["ga"], models=tiny_models)
+    w.queue.submit(JobRequest("rest", "ga", sentences(0, 3)), w.models)
+    w._feeder_idle.set()            # as the feeder leaves it when it finds no job
+    assert w.heartbeat_details()["at_rest"]
+    w._feeder_idle.clear()          # as it does when it has taken one
+    delivery = w.queue.take(w.id, ["ga"], 60, block_ms=0)
+    assert not w.heartbeat_details()["at_rest"]
+    w._ready.put(w._prepare(delivery))
+    w._feeder_idle.set()            # the feeder found nothing more; the job waits, prepared
+    details = w.heartbeat_details()
+    assert not details["at_rest"]
+    assert w.process(w._ready.get()) == "merged"
+    checkpoint(w)
+    details = w.heartbeat_details()
+    assert details["at_rest"]
+    # The C heap beside it (embgeom.heap.usage): what the process holds vs keeps free.
+    assert details["heap"]["in_use_mb"] > 0 and details["heap"]["arenas"] >= 1
