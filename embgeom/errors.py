@@ -47,6 +47,7 @@ class ModelLoadError(EmbgeomError):
 
     def __init__(self, name: str, reason: str):
         super().__init__(f"model {name!r} could not be loaded: {reason}", model=name)
+        self.reason = reason
 
 
 class NotFound(EmbgeomError):

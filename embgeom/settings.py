@@ -285,11 +285,17 @@ class Settings(BaseSettings):
         return env
 
     def worker_environment(self) -> dict[str, str]:
-        """The environment of a worker this process starts: this process's own (``PATH``,
-        ``CUDA_VISIBLE_DEVICES``, ``HF_*``...) less every setting variable, plus the
-        settings a worker reads. A key set in the shell or in ``.env`` is not passed on."""
-        inherited = {k: v for k, v in os.environ.items() if not _setting_variable(k)}
-        return {**inherited, **self.environment(exclude=NOT_FOR_WORKERS)}
+        """The environment of a worker this process starts: :meth:`helper_environment`
+        plus the settings a worker reads. A key set in the shell or in ``.env`` is not
+        passed on."""
+        return {**self.helper_environment(), **self.environment(exclude=NOT_FOR_WORKERS)}
+
+    @staticmethod
+    def helper_environment() -> dict[str, str]:
+        """The environment of a child that reads no setting (it is handed what it needs):
+        this process's own (``PATH``, ``CUDA_VISIBLE_DEVICES``, ``HF_*``...) less every
+        setting variable."""
+        return {k: v for k, v in os.environ.items() if not _setting_variable(k)}
 
     def model_sources(self) -> dict[str, ModelSource]:
         """Built-in aliases, overridden by ``models_file`` then by ``models``."""

@@ -67,10 +67,9 @@ class Runtime:
         """Run a read plan on the async client (within ``store_timeout_seconds``)."""
         return await run_async(self.aredis, plan, self.settings.store_timeout_seconds)
 
-    # A model's first read loads its configuration and tokenizer from disk (0.8 s for
-    # SmolLM2's tokenizer, seconds for Gemma 3's). On the event loop that stalled every
-    # request meanwhile, /healthz included; these load on the thread pool instead, and
-    # answer from the registry's cache at once after.
+    # A model's first read waits for its configuration and tokenizer (a child reads them:
+    # seconds). On the event loop that stalled every request meanwhile, /healthz included;
+    # these wait on the thread pool instead, and answer from the registry's cache after.
     async def model_info(self, model: str) -> ModelInfo:
         if self.registry.info_loaded(model):
             return self.registry.info(model)
@@ -131,7 +130,9 @@ class Runtime:
         # The sync client serves the thread-pool routes: a command Redis does not answer
         # within store_timeout_seconds is a 503 there too, as on the async reads.
         client = redis_client(url, socket_timeout=settings.store_timeout_seconds)
-        registry = ModelRegistry.from_settings(settings)
+        # A model's files are read in a child: transformers holds the GIL while it reads a
+        # tokenizer, which stalled every request on the event loop (embgeom.compute.model_files).
+        registry = ModelRegistry.from_settings(settings, files_in_child=True)
         rt = cls(
             settings=settings, redis=client, aredis=async_redis_client(url), registry=registry,
             queue=JobQueue(client, settings.max_attempts, settings.max_pending_jobs,

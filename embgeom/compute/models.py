@@ -7,6 +7,7 @@ happens on first use and a bounded LRU keeps the most recently used models.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import threading
@@ -22,6 +23,7 @@ import torch
 from transformers import AutoConfig, AutoModel, AutoTokenizer
 
 from embgeom import heap
+from embgeom.compute import model_files
 from embgeom.errors import ModelLoadError, UnknownModel
 from embgeom.compute.positions import PaddedBatch
 from embgeom.settings import ModelSource, Settings
@@ -53,21 +55,30 @@ class ModelInfo:
 
 
 class ModelRegistry:
-    """Aliases -> sources, resolved lazily to local folders."""
+    """Aliases -> sources, resolved lazily to local folders.
+
+    ``helper_env``: read a model's folder, configuration and tokenizer in a child process
+    with this environment (:mod:`embgeom.compute.model_files`: the API, whose event loop
+    would otherwise wait while transformers holds the GIL), once per model, and keep all
+    three. None reads them in this process (a worker, which tokenizes anyway).
+    """
 
     def __init__(self, sources: dict[str, ModelSource], cache_dir: Path,
-                 max_window_tokens: Optional[int] = None):
+                 max_window_tokens: Optional[int] = None, helper_env: Optional[dict[str, str]] = None):
         self._sources = dict(sources)
         self._cache_dir = Path(cache_dir)
         self._max_window_tokens = max_window_tokens
+        self._helper_env = helper_env
         self._lock = threading.Lock()
+        self._reading: dict[str, threading.Lock] = {}  # per model: one child reads its files
         self._paths: dict[str, str] = {}
         self._infos: dict[str, ModelInfo] = {}
         self._tokenizers: dict[str, object] = {}
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> "ModelRegistry":
-        return cls(settings.model_sources(), settings.cache_dir, settings.max_window_tokens)
+    def from_settings(cls, settings: Settings, files_in_child: bool = False) -> "ModelRegistry":
+        return cls(settings.model_sources(), settings.cache_dir, settings.max_window_tokens,
+                   settings.helper_environment() if files_in_child else None)
 
     def names(self) -> list[str]:
         return sorted(self._sources)
@@ -78,21 +89,11 @@ class ModelRegistry:
         except KeyError:
             raise UnknownModel(name, self.names()) from None
 
-    def available(self) -> list[str]:
-        """Aliases whose files are present (a packaged model whose package is missing
-        is configured but not available)."""
-        out = []
-        for name in self.names():
-            try:
-                self.path(name)
-            except ModelLoadError:
-                continue
-            out.append(name)
-        return out
-
     def path(self, name: str) -> str:
         """Local folder (or hub id) of an alias, unpacking a packaged model once."""
         spec = self.source(name)
+        if self._helper_env is not None and name not in self._paths:
+            return self._one_from_child(name).path
         with self._lock:
             if name in self._paths:
                 return self._paths[name]
@@ -106,6 +107,8 @@ class ModelRegistry:
     def info(self, name: str) -> ModelInfo:
         if name in self._infos:
             return self._infos[name]
+        if self._helper_env is not None:
+            return self._one_from_child(name).info
         spec = self.source(name)
         path = self.path(name)
         try:
@@ -132,10 +135,13 @@ class ModelRegistry:
         tokens of every model it reads; at most one per registered model). Without it, the
         cached one if there is one, else a fresh one the caller owns: a worker's
         tokenizers belong to its loaded models and leave with them (Gemma 3's holds about
-        300 MB), not to a cache that would keep every model the worker ever touched."""
+        300 MB), not to a cache that would keep every model the worker ever touched.
+        Read in a child (``helper_env``), it is always kept."""
         cached = self._tokenizers.get(name)
         if cached is not None:
             return cached
+        if self._helper_env is not None:
+            return self._one_from_child(name).tokenizer
         spec = self.source(name)
         try:
             kwargs = {"gguf_file": spec.gguf_file} if spec.gguf_file else {}
@@ -145,6 +151,48 @@ class ModelRegistry:
         if keep:
             tokenizer = self._tokenizers.setdefault(name, tokenizer)
         return tokenizer
+
+    def infos(self, names: Sequence[str]) -> dict[str, ModelInfo | ModelLoadError]:
+        """:meth:`info` of each of ``names``, or the error that says why it could not be
+        read; read in a child, the models not read yet are read by one child together."""
+        if self._helper_env is not None:
+            return {name: got if isinstance(got, ModelLoadError) else got.info
+                    for name, got in self._files_from_child(names).items()}
+        out: dict[str, ModelInfo | ModelLoadError] = {}
+        for name in names:
+            try:
+                out[name] = self.info(name)
+            except ModelLoadError as exc:
+                out[name] = exc
+        return out
+
+    def _one_from_child(self, name: str) -> model_files.ModelFiles:
+        got = self._files_from_child([name])[name]
+        if isinstance(got, ModelLoadError):
+            raise got
+        return got
+
+    def _files_from_child(self, names: Sequence[str]) -> dict[str, model_files.ModelFiles | ModelLoadError]:
+        """The files of ``names``: those not read yet read by one child process (callers
+        that want them meanwhile wait for its answer) and kept; a failure is not kept."""
+        sources = {name: self.source(name) for name in sorted(set(names))}  # UnknownModel first
+        with self._lock:
+            locks = [self._reading.setdefault(name, threading.Lock()) for name in sources]
+        with contextlib.ExitStack() as held:
+            for lock in locks:  # in name order: two callers never wait for each other
+                held.enter_context(lock)
+            unread = {name: source for name, source in sources.items()
+                      if not (name in self._infos and name in self._tokenizers and name in self._paths)}
+            answers = model_files.read_in_child(unread, self._cache_dir, self._max_window_tokens,
+                                                self._helper_env) if unread else {}
+            for name, got in answers.items():
+                if isinstance(got, model_files.ModelFiles):
+                    self._paths[name] = got.path
+                    self._tokenizers[name] = got.tokenizer
+                    self._infos[name] = got.info  # last: info_loaded() means all three are here
+        return {name: answers[name] if name in answers else
+                model_files.ModelFiles(self._paths[name], self._infos[name], self._tokenizers[name])
+                for name in names}
 
     def tokenizer_loaded(self, name: str) -> bool:
         """Whether :meth:`tokenizer` has ``name``'s cached (then it answers at once)."""

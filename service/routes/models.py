@@ -15,14 +15,12 @@ def list_models(rt: RuntimeDep) -> list[dict]:
     loaded = {m for w in rt.live_workers()
               for m in w.get("loaded", [])}
     out = []
-    for name in rt.registry.names():
+    for name, info in rt.registry.infos(rt.registry.names()).items():
         source = rt.registry.source(name).source
-        try:
-            info = rt.registry.info(name)
-        except ModelLoadError as exc:
+        if isinstance(info, ModelLoadError):
             out.append({"name": name, "source": source, "architecture": None, "num_layers": None,
                         "hidden_size": None, "vocab_size": None, "loaded": False,
-                        "available": False, "error": exc.message})
+                        "available": False, "error": info.message})
             continue
         out.append({"name": name, "source": source, "architecture": info.architecture,
                     "num_layers": info.num_layers, "hidden_size": info.hidden_size,

@@ -1,0 +1,111 @@
+"""A model's folder, configuration and tokenizer read by a child process (the API's
+registry, :mod:`embgeom.compute.model_files`): the same answer as a read in this process,
+one child for concurrent first callers and for a listing of every model, and failures, hangs
+and unknown names as clear errors with no child left behind."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from embgeom.compute import model_files
+from embgeom.compute.models import ModelRegistry
+from embgeom.errors import ModelLoadError, UnknownModel
+from embgeom.settings import ModelSource
+from tests.conftest import test_settings
+
+TEXT = "Embeddings of MiniLM, tokenised: an unusual-word and 1,234 numbers."
+
+
+def in_child(**sources: ModelSource) -> ModelRegistry:
+    settings = test_settings("redis://unused")
+    return ModelRegistry(sources or settings.model_sources(), settings.cache_dir,
+                         helper_env=settings.helper_environment())
+
+
+def reader_children() -> list[int]:
+    """Live processes running the child reader (any parent)."""
+    out = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmd = (proc / "cmdline").read_bytes()
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if b"embgeom.compute.model_files" in cmd and state != "Z":
+            out.append(int(proc.name))
+    return out
+
+
+def test_a_child_reads_what_this_process_reads():
+    settings = test_settings("redis://unused")
+    here, child = ModelRegistry.from_settings(settings), in_child()
+    assert child.info("minilm") == here.info("minilm")
+    assert child.path("minilm") == here.path("minilm")
+    mine, theirs = here.tokenizer("minilm"), child.tokenizer("minilm")
+    ids = list(range(len(mine)))
+    assert theirs.convert_ids_to_tokens(ids) == mine.convert_ids_to_tokens(ids)
+    assert theirs(TEXT, return_special_tokens_mask=True) == mine(TEXT, return_special_tokens_mask=True)
+    assert child.tokenizer_loaded("minilm") and child.info_loaded("minilm")
+
+
+def test_concurrent_first_reads_start_one_child(monkeypatch):
+    calls = []
+    real = model_files.read_in_child
+
+    def counted(sources, *args, **kwargs):
+        calls.append(sorted(sources))
+        return real(sources, *args, **kwargs)
+
+    monkeypatch.setattr(model_files, "read_in_child", counted)
+    registry = in_child()
+    got: list = []
+    readers = [threading.Thread(target=lambda f=f: got.append(f("minilm")))
+               for f in (registry.info, registry.tokenizer, registry.path, registry.info)]
+    for t in readers:
+        t.start()
+    for t in readers:
+        t.join()
+    assert calls == [["minilm"]]
+    assert len(got) == 4 and registry.tokenizer("minilm") is got[1]
+
+
+def test_a_listing_reads_every_model_in_one_child(monkeypatch, tmp_path):
+    calls = []
+    real = model_files.read_in_child
+    monkeypatch.setattr(model_files, "read_in_child",
+                        lambda sources, *a, **k: calls.append(sorted(sources)) or real(sources, *a, **k))
+    registry = in_child(minilm=ModelSource(source="package:minilm"),
+                        gone=ModelSource(source=str(tmp_path / "missing")))
+    infos = registry.infos(["minilm", "gone"])
+    assert calls == [["gone", "minilm"]]
+    assert infos["minilm"].num_layers == 6 and infos["minilm"].hidden_size == 384
+    assert isinstance(infos["gone"], ModelLoadError) and "does not exist" in infos["gone"].message
+    # What was read is kept; a failure is not (the folder may appear later).
+    registry.infos(["minilm", "gone"])
+    assert calls == [["gone", "minilm"], ["gone"]]
+
+
+def test_a_model_that_cannot_be_read_is_a_model_load_error(tmp_path):
+    registry = in_child(gone=ModelSource(source=str(tmp_path / "missing")))
+    with pytest.raises(ModelLoadError, match="does not exist") as err:
+        registry.tokenizer("gone")
+    assert err.value.type == "model_unavailable" and not registry.tokenizer_loaded("gone")
+    with pytest.raises(UnknownModel):
+        registry.info("never-registered")
+
+
+def test_a_child_past_its_time_is_stopped():
+    """The child needs seconds to import transformers: half a second is too little."""
+    source = ModelSource(source="package:minilm")
+    before = set(reader_children())
+    t0 = time.monotonic()
+    settings = test_settings("redis://unused")
+    got = model_files.read_in_child({"minilm": source}, settings.cache_dir, None,
+                                    settings.helper_environment(), timeout=0.5)
+    assert time.monotonic() - t0 < 10
+    assert isinstance(got["minilm"], ModelLoadError) and "took over 0.5 s" in got["minilm"].message
+    assert set(reader_children()) <= before  # killed and reaped, not left running
