@@ -374,11 +374,12 @@ def test_no_route_calls_sync_redis_on_the_event_loop(client):
     assert not violations, violations[0]
 
 
-def test_a_first_read_of_a_model_does_not_stall_other_requests(tmp_path_factory):
-    """The first token page of a model loads its tokenizer (0.8 s for SmolLM2's, seconds
-    for Gemma 3's). On the event loop, that stalled every request meanwhile, /healthz
-    included; on the thread pool, /healthz answers while the page waits for it. The load
-    is made 1.5 s long here, so the difference cannot hide in the noise."""
+def test_a_first_read_of_a_model_does_not_stall_other_requests(tmp_path_factory, monkeypatch):
+    """The first token page of a model waits for its configuration and tokenizer (a child
+    reads them: seconds). On the event loop, that wait stalled every request meanwhile,
+    /healthz included; on the thread pool, /healthz answers while the page waits. The read
+    is made 1.5 s longer here, so the difference cannot hide in the noise."""
+    from embgeom.compute import model_files
     from tests.conftest import app_with_worker, wait_for_jobs
 
     with app_with_worker(tmp_path_factory) as c:
@@ -387,14 +388,16 @@ def test_a_first_read_of_a_model_does_not_stall_other_requests(tmp_path_factory)
         assert [s["status"] for s in wait_for_jobs(c, [r.json()["job_id"]], timeout=300)] == ["done"]
         registry = c.app.state.runtime.registry
         registry._tokenizers.clear()
-        registry._infos.clear()  # the model's configuration: loaded on the first read too
-        load = registry.tokenizer
+        registry._infos.clear()  # the model's configuration: read on the first read too
+        reads = []
+        read = model_files.read_in_child
 
-        def slow_load(name, keep=True):
+        def slow_read(sources, *args, **kwargs):
+            reads.append(sorted(sources))
             time.sleep(1.5)
-            return load(name, keep)
+            return read(sources, *args, **kwargs)
 
-        registry.tokenizer = slow_load
+        monkeypatch.setattr(model_files, "read_in_child", slow_read)
         page: dict = {}
 
         def read_page():
@@ -404,13 +407,14 @@ def test_a_first_read_of_a_model_does_not_stall_other_requests(tmp_path_factory)
 
         reader = threading.Thread(target=read_page)
         reader.start()
-        time.sleep(0.3)  # the page is inside its tokenizer load
+        time.sleep(0.3)  # the page is inside the read of its model's files
         t0 = time.perf_counter()
         assert c.get("/healthz").status_code == 200
         healthz_s = time.perf_counter() - t0
         reader.join()
-        assert page["status"] == 200 and page["seconds"] >= 1.5  # the load ran, off the loop
-        assert healthz_s < 0.5, f"/healthz waited {healthz_s:.2f} s behind a tokenizer load"
+        assert page["status"] == 200 and page["seconds"] >= 1.5  # the read ran, off the loop
+        assert healthz_s < 0.5, f"/healthz waited {healthz_s:.2f} s behind a model's first read"
+        assert reads == [["minilm"]]  # configuration and tokenizer: one child
         assert registry.tokenizer_loaded("minilm") and registry.info_loaded("minilm")
 
 

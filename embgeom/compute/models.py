@@ -179,7 +179,7 @@ class ModelRegistry:
         with self._lock:
             locks = [self._reading.setdefault(name, threading.Lock()) for name in sources]
         with contextlib.ExitStack() as held:
-            for lock in locks:  # in name order: two callers never wait for each other
+            for lock in locks:  # in name order, so two callers cannot deadlock
                 held.enter_context(lock)
             unread = {name: source for name, source in sources.items()
                       if not (name in self._infos and name in self._tokenizers and name in self._paths)}
