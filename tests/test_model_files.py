@@ -5,6 +5,8 @@ and unknown names as clear errors with no child left behind."""
 
 from __future__ import annotations
 
+import json
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -87,6 +89,22 @@ def test_a_listing_reads_every_model_in_one_child(monkeypatch, tmp_path):
     # What was read is kept; a failure is not (the folder may appear later).
     registry.infos(["minilm", "gone"])
     assert calls == [["gone", "minilm"], ["gone"]]
+
+
+def test_a_broken_model_in_a_listing_spoils_only_its_own_answer(tmp_path):
+    """A configuration transformers refuses with an error of its own (not an OSError): the
+    child answers for the others instead of dying with the listing."""
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    minilm = Path(in_child().path("minilm"))
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+        shutil.copy(minilm / name, broken / name)
+    config = json.loads((minilm / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps({**config, "num_hidden_layers": "many"}))
+    infos = in_child(minilm=ModelSource(source="package:minilm"),
+                     broken=ModelSource(source=str(broken))).infos(["minilm", "broken"])
+    assert infos["minilm"].num_layers == 6
+    assert isinstance(infos["broken"], ModelLoadError) and "num_hidden_layers" in infos["broken"].message
 
 
 def test_a_model_that_cannot_be_read_is_a_model_load_error(tmp_path):

@@ -90,6 +90,8 @@ def _main() -> int:
             answers[name] = ("files", (files.path, files.info, files.tokenizer))
         except ModelLoadError as exc:
             answers[name] = ("error", exc.reason)
+        except Exception as exc:  # a broken model of many costs only its own answer
+            answers[name] = ("error", f"{type(exc).__name__}: {exc}")
     pickle.dump(answers, answer_to, protocol=pickle.HIGHEST_PROTOCOL)
     answer_to.flush()
     return 0
