@@ -64,15 +64,17 @@ def test_concurrent_first_reads_start_one_child(monkeypatch):
 
     monkeypatch.setattr(model_files, "read_in_child", counted)
     registry = in_child()
-    got: list = []
-    readers = [threading.Thread(target=lambda f=f: got.append(f("minilm")))
-               for f in (registry.info, registry.tokenizer, registry.path, registry.info)]
+    calls_of = (registry.info, registry.tokenizer, registry.path, registry.info)
+    got: dict = {}
+    readers = [threading.Thread(target=lambda i=i, f=f: got.__setitem__(i, f("minilm")))
+               for i, f in enumerate(calls_of)]
     for t in readers:
         t.start()
     for t in readers:
         t.join()
     assert calls == [["minilm"]]
-    assert len(got) == 4 and registry.tokenizer("minilm") is got[1]
+    assert len(got) == 4 and registry.tokenizer("minilm") is got[1] and got[0] is got[3]
+    assert got[2] == registry.path("minilm")
 
 
 def test_a_listing_reads_every_model_in_one_child(monkeypatch, tmp_path):
