@@ -7,10 +7,11 @@ too. Longest stall of a thread that ticks every millisecond, measured while anot
 read them: SmolLM2's configuration 170 ms, its tokenizer 230 ms, Gemma 3's tokenizer
 1,130 ms; /healthz answered in 815 ms at worst while four token pages first read SmolLM2.
 
-A child process reads them instead and sends them back pickled. Unpickling a tokenizer
-rebuilds its Rust half with the GIL released: the longest stall is 1 ms for SmolLM2's,
-17 ms for Gemma 3's. The child costs its start (importing transformers, about 3 s), once
-per model for the life of the process that asks.
+A child process reads them instead, once for every caller, and sends them back pickled.
+Unpickling the tokenizer still holds the GIL, less long: about 100 ms for SmolLM2's
+(/healthz at most 58 ms behind those four pages), but 1.2 to 1.4 s for Gemma 3's. The child
+costs its start (importing transformers, about 3 s), once per model for the life of the
+process that asks.
 
     python -m embgeom.compute.model_files   (the request pickled on stdin, the answer on stdout)
 """
