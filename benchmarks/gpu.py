@@ -1,53 +1,76 @@
 """``benchmarks/gpu.sh``: the figures of ``make bench`` on one GPU, bounded in time.
 
-``python -m benchmarks.gpu [--device cuda] [--models mpnet,minilm,smollm2,gpt2_random]
+``python -m benchmarks.gpu [--device cuda|cpu] [--models mpnet,minilm,smollm2,gpt2_random]
 [--dtypes bf16,fp32] [--texts N] [--seconds-per-run S] [--budget-seconds B] [--out PATH]``
-(``--help`` for the rest)
-measures, for each model x dtype (dtype-major, in the order given: the default puts MPNet
-in bf16 first, the issue's target):
+(``--help`` for the rest) measures, in this order, on ``--device``:
 
-- ``bare_tok_s``: the bare forward (:func:`benchmarks.run.bare_forward`: tokenise, the
-  service's own token-budget batches of each job, ``output_hidden_states=True``), on the
-  device, after two warm-up jobs, the clock stopped after ``torch.cuda.synchronize``.
-- ``forward_only_tok_s``: the same batches already tokenised and on the device: the
-  forward passes alone (what the GPU reaches without the host's tokenisation).
-- ``service_tok_s`` and ``ratio`` (service / bare, target >= 0.8 for MPNet in bf16 on a
-  GPU): ``embgeom serve`` embedded (its Redis, its worker: ``EMBGEOM_DEVICE`` and
-  ``EMBGEOM_DTYPE`` set for it), the same texts and jobs over HTTP, from the first POST to
-  every job done; bare and service alternated, medians of ``--repeat``; each run on a
-  fresh collection (deleted after it: an MPNet run over BBC leaves gigabytes in Redis).
-  The texts: BBC's sentences (:func:`benchmarks.run.e2e_texts`, every article, cycled),
-  as many as make a bare run last ``--seconds-per-run`` or a service run
-  ``--service-seconds``, whichever is fewer, by one job of each measured first
-  (``--texts`` fixes the number instead); jobs of ``--texts-per-job``.
-- FLOPs: per sequence of ``n`` real tokens, ``2 P n + 4 L d_attn n^2``, with ``P`` the
-  weights every token is multiplied by (each ``nn.Linear`` / GPT-2 ``Conv1D`` weight, the
-  BERT/MPNet pooler excluded: it sees one token a sequence; no LM head: ``AutoModel``),
-  ``L`` the blocks, ``d_attn`` = heads x head width; ``4 L d_attn n^2`` is ``Q K^T`` and
-  ``softmax(.) V``, the full square (no causal halving), the forward third of PaLM's
-  ``6N + 12 L H Q T`` (Chowdhery et al. 2022, appendix B). Embeddings, norms, biases,
-  softmax and activations are not counted, nor padding: padded positions are work the
-  batching wastes. ``bare_flop_s`` = those FLOPs / the bare forward's seconds, and
-  ``bare_frac_peak_bf16`` its fraction of the GPU's peak dense bf16 FLOP/s (:data:`PEAK_BF16`,
-  by ``torch.cuda.get_device_name``; ``--peak-flops`` otherwise), printed for fp32 too
-  (against the bf16 peak, as the issue asks); ``matmul_bf16_flop_s`` is an 8192^3 bf16
-  matrix product measured on the same GPU (what a GEMM reaches there).
-- ``host_ceiling_tok_s``: the CPU-side replay of :mod:`benchmarks.replay` for the shapes
-  (:func:`benchmarks.run.replay_store`, the quick sizes), last, if the budget still allows;
-  else ``python -m benchmarks.run --only ceiling`` gives them (and ``--only workers,reads``
-  the other host figures: they do not depend on the GPU).
+1. for each model x dtype (dtype-major, in the order given: the default puts MPNet in bf16
+   first, the issue's target), within the budget less what steps 2 and 3 keep
+   (``--merge-seconds`` + ``--steady-seconds``):
+
+   - ``bare_tok_s``: the bare forward (:func:`benchmarks.run.bare_forward`: tokenise, the
+     service's own token-budget batches of each job, ``output_hidden_states=True``), on the
+     device, after two warm-up jobs, the clock stopped after ``torch.cuda.synchronize``.
+   - ``forward_only_tok_s``: the same batches already tokenised and on the device: the
+     forward passes alone (what the GPU reaches without the host's tokenisation).
+   - ``service_tok_s`` and ``ratio`` (service / bare, target >= 0.8 for MPNet in bf16 on a
+     GPU): ``embgeom serve`` embedded (its Redis, its worker: ``EMBGEOM_DEVICE`` and
+     ``EMBGEOM_DTYPE`` set for it), the same texts and jobs over HTTP, from the first POST to
+     every job done; bare and service alternated, medians of ``--repeat``; each run on a
+     fresh collection (deleted after it: an MPNet run over BBC leaves gigabytes in Redis).
+     The texts: BBC's sentences (:func:`benchmarks.run.e2e_texts`, every article, cycled),
+     as many as make a bare run last ``--seconds-per-run`` or a service run
+     ``--service-seconds``, whichever is fewer, by one job of each measured first
+     (``--texts`` fixes the number instead); jobs of ``--texts-per-job``.
+   - FLOPs: per sequence of ``n`` real tokens, ``2 P n + 4 L d_attn n^2``, with ``P`` the
+     weights every token is multiplied by (each ``nn.Linear`` / GPT-2 ``Conv1D`` weight, the
+     BERT/MPNet pooler excluded: it sees one token a sequence; no LM head: ``AutoModel``),
+     ``L`` the blocks, ``d_attn`` = heads x head width; ``4 L d_attn n^2`` is ``Q K^T`` and
+     ``softmax(.) V``, the full square (no causal halving), the forward third of PaLM's
+     ``6N + 12 L H Q T`` (Chowdhery et al. 2022, appendix B). Embeddings, norms, biases,
+     softmax and activations are not counted, nor padding: padded positions are work the
+     batching wastes. ``bare_flop_s`` = those FLOPs / the bare forward's seconds, and
+     ``bare_frac_peak_bf16`` its fraction of the GPU's peak dense bf16 FLOP/s (:data:`PEAK_BF16`,
+     by ``torch.cuda.get_device_name``; ``--peak-flops`` otherwise), printed for fp32 too
+     (against the bf16 peak, as the issue asks); ``matmul_bf16_flop_s`` is an 8192^3 bf16
+     matrix product measured on the same GPU (what a GEMM reaches there).
+2. ``merge``: :func:`benchmarks.run.bench_merge` on the device (``--merge-jobs`` recorded BBC
+   jobs, ``--merge-repeat`` alternated repeats): ``merge.merge_over_bare`` is the worker's
+   window merge over a bare ``index_add_`` of the same arrays on the same device
+   (``merge_tok_s``, ``bare_tok_s`` beside it); skipped with less than ``--merge-seconds``
+   left.
+3. ``steady_state``: :func:`benchmarks.steady_state.bench_steady_state` on the device, one
+   call per shape of ``--steady-shapes`` (default MiniLM, MPNet and 1B shapes), the window
+   on the device: ``steady_state.<shape>.tok_s`` and the rest of what it returns. The shapes
+   share at most ``--steady-seconds`` (seeding included; each shape's share less a few
+   seconds for its wind-down), ``--steady-tokens`` each (default 10^7 on a GPU,
+   :data:`benchmarks.steady_state.CPU_TOKENS` on a CPU), the seeded vocabulary bounded by
+   ``--steady-max-store-bytes``; a shape whose share is under ``--steady-min-seconds`` is
+   recorded as skipped. On a CPU the recording's jobs are cut into one batch each
+   (``bench_steady_state``'s ``quick``), so a few thousand tokens make a run.
+4. ``host_ceiling_tok_s``: the CPU-side replay of :mod:`benchmarks.replay` for the shapes
+   (:func:`benchmarks.run.replay_store`, the quick sizes), last, if the budget still allows;
+   else ``python -m benchmarks.run --only ceiling`` gives them (and ``--only workers,reads``
+   the other host figures: they do not depend on the GPU).
+
+``merge`` and ``steady_state`` carry the names of ``make bench``'s ``bench.json`` and are
+printed against the same targets (:data:`benchmarks.run.TARGETS`); the JSON's ``device``
+(and each of their ``device``) says where they ran.
 
 ``gpt2_random`` is a GPT-2-shaped model (12 blocks, 768 wide, 12 heads, 1,024 positions)
 initialised at random with a fixed seed, with SmolLM2's byte-level BPE tokenizer
 (MiniLM's where SmolLM2 is missing), saved once into a temporary folder and registered to
 this process and to the service as an alias through ``EMBGEOM_MODELS``.
 
-Every step is bounded: ``--budget-seconds`` for the whole run (a model x dtype that cannot
-start in what is left is recorded as skipped), ``--run-cap`` seconds for one service run.
-An error is recorded (``error`` / ``service_error``, with the service's log tail) and the
-next measurement goes on. Results are written after every step to ``--out`` (default
+Every step is bounded: ``--budget-seconds`` for the whole run (a model x dtype, the merge or
+a steady-state shape that cannot start in what is left is recorded as skipped), ``--run-cap``
+seconds for one service run. An error is recorded (``error`` / ``service_error``, with the
+service's log tail; ``merge.error``, ``steady_state.<shape>.error``) and the next
+measurement goes on. Results are written after every step to ``--out`` (default
 ``$OUT/gpu_bench.json`` where ``OUT`` is set, else ``gpu_bench.json`` in the repository);
 ``python -m benchmarks.gpu --table PATH`` prints the table of a results file.
+``--device cpu`` runs every step on the CPU (``GPU_BENCH_CPU=1 bash benchmarks/gpu.sh`` with
+tiny sizes: the test suite's dry run, ``tests/test_benchmarks.py``).
 """
 
 from __future__ import annotations
@@ -82,6 +105,9 @@ PEAK_BF16: list[tuple[str, float]] = [
 
 GPT2_SHAPE = {"n_layer": 12, "n_embd": 768, "n_head": 12, "n_positions": 1024}
 TARGET_RATIO = 0.8  # service / bare, MPNet in bf16 on a GPU
+# Seconds a steady-state shape's share leaves for its wind-down past its budget (the jobs
+# already submitted finish, the store is counted, its Redis stops).
+STEADY_WIND_DOWN_S = 5.0
 
 
 class Interrupted(BaseException):
@@ -206,6 +232,7 @@ def table(res: dict) -> str:
                      f"({res.get('peak_source')})")
     if res.get("matmul_bf16_flop_s"):
         extra.append(f"measured 8192^3 bf16 matmul: {res['matmul_bf16_flop_s'] / 1e12:,.0f} TFLOP/s")
+    extra += _step_lines(res)
     for shape, v in (res.get("host_ceiling_tok_s") or {}).items():
         extra.append(f"host_ceiling_tok_s.{shape}: " + (f"{v:,.0f}" if isinstance(v, (int, float)) else str(v)))
     if res.get("host_ceiling_skipped"):
@@ -213,6 +240,50 @@ def table(res: dict) -> str:
     if res.get("wall_s") is not None:
         extra.append(f"wall: {res['wall_s']} s")
     return "\n".join(lines + [""] + extra)
+
+
+def _verdict(res: dict, name: str) -> str:
+    """``target verdict`` of ``name`` by :data:`benchmarks.run.TARGETS` (empty without)."""
+    try:
+        from benchmarks.run import verdict
+    except Exception:  # noqa: BLE001 - a table printed where benchmarks.run cannot import
+        return ""
+    target, mark = verdict(res, name)
+    return f"  (target {target}: {mark})" if target else ""
+
+
+def _step_lines(res: dict) -> list[str]:
+    """The merge and steady-state steps, one line per figure, under bench.json's names."""
+    lines = []
+    m = res.get("merge")
+    if isinstance(m, dict):
+        if m.get("merge_over_bare") is not None:
+            lines.append(f"merge.merge_over_bare: {m['merge_over_bare']:.3f}{_verdict(res, 'merge.merge_over_bare')}; "
+                         f"window merge {_fmt(m.get('merge_tok_s'), ',.0f')} tok/s over bare index_add_ "
+                         f"{_fmt(m.get('bare_tok_s'), ',.0f')} tok/s, {_fmt(m.get('tokens'), ',')} tokens, "
+                         f"device {m.get('device')}")
+        else:
+            lines.append("merge: " + _note(m))
+    ss = res.get("steady_state")
+    if isinstance(ss, dict):
+        for shape, r in ss.items():
+            if isinstance(r, dict) and r.get("tok_s") is not None:
+                lines.append(f"steady_state.{shape}.tok_s: {r['tok_s']:,.0f}"
+                             f"{_verdict(res, f'steady_state.{shape}.tok_s')}; {_fmt(r.get('tokens'), ',')} tokens, "
+                             f"{_fmt(r.get('window_tokens'), ',.0f')} a window, checkpoint "
+                             f"{_fmt(r.get('checkpoint_s'), '.2f')} s, device {r.get('device')}"
+                             + ("; short of 10^7 tokens" if r.get("short_of_1e7") else ""))
+            else:
+                lines.append(f"steady_state.{shape}: " + _note(r if isinstance(r, dict) else {"error": r}))
+    return lines
+
+
+def _note(r: dict) -> str:
+    if r.get("skipped"):
+        return f"skipped ({r['skipped']})"
+    if r.get("error"):
+        return "error: " + str(r["error"]).strip().splitlines()[-1][:100]
+    return "no figure"
 
 
 # ------------------------------------------------------------------ measurement
@@ -605,8 +676,24 @@ class Bench:
     # -- all ------------------------------------------------------------------
 
     def run(self) -> None:
-        import torch
+        """The steps in order: the models (to the deadline less what the merge and the
+        steady state keep), the merge, the steady state, the host ceiling."""
+        args = self.args
+        deadline = self.deadline
+        self.deadline -= (args.merge_seconds if args.merge else 0) + (args.steady_seconds if args.steady else 0)
+        try:
+            self.models()
+        finally:
+            self.deadline = deadline
+        if args.merge:
+            self.merge()
+        if args.steady:
+            self.steady_state()
+        if args.ceiling:
+            self.host_ceiling()
 
+    def models(self) -> None:
+        """Step 1: each model x dtype (:meth:`measure`)."""
         from embgeom.compute.models import ModelPool, ModelRegistry
         from embgeom.settings import Settings
 
@@ -649,12 +736,78 @@ class Bench:
                     _log(f"{key}: error {type(exc).__name__}: {exc}")
                 finally:
                     pool._models.clear()
-                    if torch.device(args.device).type == "cuda":
-                        torch.cuda.empty_cache()
+                    self._free()
                     self.res.save()
             self.drop_service()
-        if args.ceiling:
-            self.host_ceiling()
+
+    def _free(self) -> None:
+        import torch
+
+        if torch.device(self.args.device).type == "cuda":
+            torch.cuda.empty_cache()
+
+    def merge(self) -> None:
+        """Step 2: :func:`benchmarks.run.bench_merge` on the device, if the budget allows."""
+        args, data = self.args, self.res.data
+        if self.left() < args.merge_seconds:
+            data["merge"] = {"skipped": f"budget: {self.left():.0f} s left", "device": args.device}
+            _log("merge: skipped (budget)")
+            self.res.save()
+            return
+        _log(f"merge: {args.merge_jobs} jobs, {args.merge_repeat} repeats on {args.device} ({self.left():.0f} s left)")
+        try:
+            from benchmarks.run import bench_merge
+
+            data["merge"] = m = bench_merge(args.merge_jobs, args.merge_repeat, args.device)
+            _log(f"merge: merge_over_bare {m['merge_over_bare']:.3f} (merge {m['merge_tok_s']:,.0f} tok/s, "
+                 f"bare {m['bare_tok_s']:,.0f} tok/s, {m['device']})")
+        except Interrupted:
+            data["merge"] = {"skipped": "interrupted (SIGTERM)", "device": args.device}
+            raise
+        except Exception as exc:  # noqa: BLE001 - recorded; the steady state goes on
+            data["merge"] = {"error": traceback.format_exc(limit=6), "device": args.device}
+            _log(f"merge: error {type(exc).__name__}: {exc}")
+        finally:
+            self._free()
+            self.res.save()
+
+    def steady_state(self) -> None:
+        """Step 3: :func:`benchmarks.steady_state.bench_steady_state` on the device, one
+        shape a call, the shapes sharing at most ``--steady-seconds`` of what is left."""
+        import torch
+
+        args, data = self.args, self.res.data
+        out = data.setdefault("steady_state", {})
+        quick = args.steady_quick if args.steady_quick is not None else torch.device(args.device).type != "cuda"
+        end = time.monotonic() + min(args.steady_seconds, max(0.0, self.left()))
+        shapes = args.steady_shapes
+        for i, shape in enumerate(shapes):
+            left = min(end - time.monotonic(), self.left())
+            share = left / (len(shapes) - i) - STEADY_WIND_DOWN_S
+            if share < args.steady_min_seconds:
+                out[shape] = {"skipped": f"budget: {max(0.0, left):.0f} s left for {len(shapes) - i} shapes",
+                              "device": args.device}
+                _log(f"steady_state {shape}: skipped (budget)")
+                self.res.save()
+                continue
+            _log(f"steady_state {shape}: {share:.0f} s on {args.device} ({self.left():.0f} s left)")
+            try:
+                from benchmarks.steady_state import bench_steady_state
+
+                out[shape] = bench_steady_state(quick, None, device=args.device, budget_s=share,
+                                                tokens=args.steady_tokens, shapes=[shape],
+                                                max_store_bytes=args.steady_max_store_bytes)[shape]
+                out[shape]["budget_s"] = round(share, 1)
+                out[shape]["quick"] = quick
+            except Interrupted:
+                out[shape] = {"skipped": "interrupted (SIGTERM)", "device": args.device}
+                raise
+            except Exception as exc:  # noqa: BLE001 - recorded; the next shape goes on
+                out[shape] = {"error": traceback.format_exc(limit=6), "device": args.device}
+                _log(f"steady_state {shape}: error {type(exc).__name__}: {exc}")
+            finally:
+                self._free()
+                self.res.save()
 
     def host_ceiling(self) -> None:
         """The CPU-side replay figures (quick sizes), while the budget allows."""
@@ -721,6 +874,26 @@ def main(argv=None) -> int:
                         help="skip the CPU-side replay figures")
     parser.add_argument("--ceiling-seconds", type=float, default=40,
                         help="a replay shape does not start with less than this left")
+    parser.add_argument("--no-merge", dest="merge", action="store_false", help="skip the merge step")
+    parser.add_argument("--merge-jobs", type=int, default=12, help="recorded BBC jobs the merge replays")
+    parser.add_argument("--merge-repeat", type=int, default=3, help="alternated merge / bare repeats")
+    parser.add_argument("--merge-seconds", type=float, default=30,
+                        help="kept for the merge out of the budget; it does not start with less left")
+    parser.add_argument("--no-steady-state", dest="steady", action="store_false",
+                        help="skip the steady-state step")
+    parser.add_argument("--steady-shapes", default="minilm,mpnet_shape,1b_shape",
+                        help="shapes of benchmarks.steady_state, in this order")
+    parser.add_argument("--steady-seconds", type=float, default=150,
+                        help="kept for the steady state out of the budget: the shapes share at most this")
+    parser.add_argument("--steady-min-seconds", type=float, default=15,
+                        help="a steady-state shape does not start with a smaller share")
+    parser.add_argument("--steady-tokens", type=int, default=None,
+                        help="tokens per shape (default 10^7 on a GPU, steady_state.CPU_TOKENS on a CPU)")
+    parser.add_argument("--steady-max-store-bytes", type=float, default=None,
+                        help="bound on a shape's seeded vocabulary (default 1e9 on a GPU, "
+                             "steady_state.CPU_STORE_BYTES on a CPU)")
+    parser.add_argument("--steady-quick", action=argparse.BooleanOptionalAction, default=None,
+                        help="one recorded batch a job (default: on a CPU, not on a GPU)")
     parser.add_argument("--peak-flops", type=float, default=None,
                         help="peak dense bf16 FLOP/s of the device (default: by its name)")
     parser.add_argument("--out", type=Path, default=None, help="results JSON (default $OUT/gpu_bench.json)")
@@ -732,6 +905,7 @@ def main(argv=None) -> int:
         return 0
     args.models = [m for m in args.models.split(",") if m]
     args.dtypes = [d for d in args.dtypes.split(",") if d]
+    args.steady_shapes = [x for x in args.steady_shapes.split(",") if x]
 
     start = time.monotonic()
     deadline = start + args.budget_seconds
@@ -749,6 +923,8 @@ def main(argv=None) -> int:
     if args.token_budget is None:
         args.token_budget = Settings().token_budget
     device = torch.device(args.device)
+    if args.steady_max_store_bytes is None and device.type == "cuda":
+        args.steady_max_store_bytes = 1e9
     data: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "device": args.device,
                   "torch": torch.__version__, "torch_cuda": torch.version.cuda, "cpus": os.cpu_count(),
                   "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},

@@ -7,19 +7,29 @@
 # and the Python (a torch that sees CUDA, the project's packages, the packaged models and
 # BBC), prints the hardware, then runs
 #   timeout <what is left of 460 s> python -m benchmarks.gpu --device cuda --out ${OUT:-.}/gpu_bench.json
-# (MiniLM, MPNet, SmolLM2 and a random GPT-2-shaped model, in bf16 then fp32: bare forward,
-# forward only, the service end to end and their ratio, FLOPs and the fraction of the
-# GPU's peak bf16 FLOP/s; the CPU-side replay ceilings if time is left: see the docstring
-# of benchmarks/gpu.py). The JSON is written after every step, so a run cut short still
-# leaves what it measured; the table is printed at the end in every case.
+# which measures, on the device, in this order (see the docstring of benchmarks/gpu.py):
+#   1. MiniLM, MPNet, SmolLM2 and a random GPT-2-shaped model, in bf16 then fp32: bare
+#      forward, forward only, the service end to end and its ratio to the bare forward,
+#      FLOPs and the fraction of the GPU's peak bf16 FLOP/s; within the budget less what
+#      steps 2 and 3 keep (30 + 150 s by default);
+#   2. merge.merge_over_bare: the worker's window merge over a bare index_add_ of the same
+#      arrays (benchmarks.run.bench_merge);
+#   3. steady_state.<shape>.tok_s for the MiniLM, MPNet and 1B shapes: the real worker at
+#      steady state, its window on the device (benchmarks.steady_state.bench_steady_state);
+#   4. the CPU-side replay ceilings, if time is left.
+# The JSON records the device (and each merge and steady-state figure its own) and is
+# written after every step, so a run cut short still leaves what it measured; the table
+# (the merge and steady-state figures against make bench's targets) is printed at the end
+# in every case.
 #
 # Environment: OUT (folder of gpu_bench.json; default the repository root);
 # EMBGEOM_GPU_PYTHON (the interpreter; default .venv/bin/python); GPU_BENCH_SECONDS
 # (the whole run, checks included; default 460, and at most 20 s more to stop a run
-# that overstays); GPU_BENCH_CPU=1 (a dry run of this
-# script on a machine without a GPU: no GPU checks, --device cpu; give tiny sizes as
-# arguments, e.g. --models minilm --dtypes fp32 --texts 40 --texts-per-job 20
-# --no-ceiling). Nothing is downloaded or installed.
+# that overstays); GPU_BENCH_CPU=1 (this script on a machine without a GPU: no GPU
+# checks, --device cpu, every step on the CPU; give tiny sizes as arguments, e.g.
+#   --models minilm --dtypes fp32 --texts 40 --texts-per-job 20 --no-ceiling
+#   --merge-jobs 1 --merge-repeat 1 --steady-shapes minilm --steady-tokens 5000
+# as tests/test_benchmarks.py does, about 25 s on 2 cores). Nothing is downloaded or installed.
 #
 # A CUDA torch. This project's .venv pins torch==2.13.0 and, on a machine without a GPU,
 # holds its CPU wheel: its torch.cuda.is_available() is False, and this script says so.
@@ -91,7 +101,8 @@ project_ok() {  # $1: python; imports what the benchmark needs; status 0 if all 
 import sys
 missing = []
 for mod in ("transformers", "fastapi", "uvicorn", "redis", "pydantic_settings", "httpx", "numpy",
-            "embgeom.settings", "embgeom.compute.models", "service.app", "benchmarks.run"):
+            "embgeom.settings", "embgeom.compute.models", "service.app", "benchmarks.run",
+            "benchmarks.steady_state"):
     try:
         __import__(mod)
     except Exception as exc:

@@ -11,6 +11,7 @@ import os
 import time
 
 import numpy as np
+import pytest
 
 from benchmarks import run
 from embgeom.compute.engine import CountingRule, Engine
@@ -171,10 +172,67 @@ def test_gpu_table_marks_the_ratio_target_and_records_skips():
     assert "20.00%" in text and "989 TFLOP/s" in text
 
 
+def test_gpu_table_prints_the_merge_and_steady_state_steps_or_why_not():
+    from benchmarks import gpu
+
+    res = {"device": "cuda", "runs": {},
+           "merge": {"merge_over_bare": 0.85, "merge_tok_s": 2e7, "bare_tok_s": 2.35e7, "tokens": 240_000,
+                     "device": "cuda"},
+           "steady_state": {"minilm": {"tok_s": 6e5, "tokens": 10**7, "window_tokens": 2e6, "checkpoint_s": 0.5,
+                                       "device": "cuda", "short_of_1e7": False},
+                            "mpnet_shape": {"error": "Traceback\nRuntimeError: boom", "device": "cuda"},
+                            "1b_shape": {"skipped": "budget: 12 s left for 1 shapes", "device": "cuda"}}}
+    lines = gpu.table(res).splitlines()
+    assert any(line.startswith("merge.merge_over_bare: 0.850") and ">= 0.8: met" in line and "device cuda" in line
+               for line in lines)
+    assert any(line.startswith("steady_state.minilm.tok_s: 600,000") and ">= 500,000: met" in line for line in lines)
+    assert "steady_state.mpnet_shape: error: RuntimeError: boom" in lines
+    assert "steady_state.1b_shape: skipped (budget: 12 s left for 1 shapes)" in lines
+    res["merge"] = {"error": "Traceback\nValueError: shapes", "device": "cuda"}
+    assert "merge: error: ValueError: shapes" in gpu.table(res).splitlines()
+
+
 def test_gpu_texts_cycle_bbc_beyond_its_size():
     texts = run.e2e_texts(50_000, held_out=False, cycle=True)
     assert len(texts) == 50_000 and texts[0] in texts[1:] and all(30 <= len(t) <= 200 for t in texts[:100])
     assert len(run.e2e_texts(100)) == 100  # the make-bench default is unchanged
+
+
+@pytest.mark.slow
+def test_gpu_sh_runs_every_step_on_the_cpu(tmp_path):
+    """``GPU_BENCH_CPU=1 bash benchmarks/gpu.sh`` (``--device cpu``) at tiny sizes, as a
+    subprocess: the e2e ratio, the merge over bare and the steady state all run, the JSON
+    records the device and their figures, and the table prints them."""
+    import json
+    import math
+    import subprocess
+    import sys
+
+    env = {**os.environ, "GPU_BENCH_CPU": "1", "OUT": str(tmp_path), "EMBGEOM_GPU_PYTHON": sys.executable}
+    proc = subprocess.run(
+        ["bash", str(run.REPO / "benchmarks" / "gpu.sh"), "--models", "minilm", "--dtypes", "fp32",
+         "--texts", "40", "--texts-per-job", "20", "--repeat", "1", "--no-ceiling",
+         "--merge-jobs", "1", "--merge-repeat", "1", "--steady-shapes", "minilm", "--steady-tokens", "5000"],
+        env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads((tmp_path / "gpu_bench.json").read_text())
+    assert res["device"] == "cpu" and not res.get("error") and not res.get("interrupted")
+    e2e = res["runs"]["minilm.fp32"]
+    assert e2e["ratio"] > 0 and e2e["bare_tok_s"] > 0 and not e2e.get("service_error")
+    merge = res["merge"]
+    assert merge["device"] == "cpu", merge
+    for key in ("merge_over_bare", "merge_tok_s", "bare_tok_s"):
+        assert isinstance(merge[key], float) and math.isfinite(merge[key]) and merge[key] > 0, key
+    steady = res["steady_state"]["minilm"]
+    assert steady["device"] == "cpu" and steady["tok_s"] > 0 and steady["tokens"] >= 5000
+    lines = proc.stdout.splitlines()
+    row = next(line.split() for line in lines if line.startswith("minilm "))
+    assert row[:2] == ["minilm", "fp32"] and row[5] == f"{e2e['ratio']:.3f}"
+    assert any(line.startswith("device: cpu") for line in lines)
+    assert any(line.startswith(f"merge.merge_over_bare: {merge['merge_over_bare']:.3f}") and "device cpu" in line
+               for line in lines)
+    assert any(line.startswith(f"steady_state.minilm.tok_s: {steady['tok_s']:,.0f}") and "device cpu" in line
+               for line in lines)
 
 
 def test_slowest_names_a_scripts_keys_from_a_real_slowlog(redis_server):
