@@ -20,7 +20,9 @@ answer a table take ``as_frame=True`` for a DataFrame (the rest of the answer, `
 and the filters, in ``DataFrame.attrs``); figures are :class:`Figure` (PNG or SVG bytes
 with ``_repr_png_``/``_repr_svg_``). Every error body ``{"type", "message", "detail"}``
 is raised as :class:`ApiError`, and a 429 (the queue is full) is retried after the
-server's ``Retry-After``, or after an exponential backoff when it gives none.
+server's ``Retry-After``, or after an exponential backoff when it gives none; a 503 with
+``Retry-After`` (a model still loading in the API, the store briefly away) is retried
+after it too, within the same ``max_retries``.
 
 A query or body parameter left ``None`` is not sent: the service's default applies.
 """
@@ -542,7 +544,8 @@ def _wait(job_ids: list[str], on_progress, timeout, poll_interval: float, window
 
 # ------------------------------------------------------------------- clients
 class _Transport:
-    """What both clients share: the connection's settings and the 429 policy."""
+    """What both clients share: the connection's settings and the retry policy (429, and
+    503 with ``Retry-After``)."""
 
     def __init__(self, url: str, api_key: Optional[str], timeout: float, max_retries: int,
                  max_backoff: float):
@@ -552,10 +555,16 @@ class _Transport:
         self.max_backoff = max_backoff
 
     def _backoff(self, response: httpx.Response, attempt: int) -> Optional[float]:
-        """Seconds to wait before sending again, or None: not a 429, or no retries left."""
-        if response.status_code != 429 or attempt >= self.max_retries:
+        """Seconds to wait before sending again, or None: neither a 429 nor a 503 with
+        ``Retry-After`` (a model still loading, the store briefly away), or no retries left."""
+        if attempt >= self.max_retries:
             return None
         delay = _retry_after(response)
+        if response.status_code == 503:
+            if delay is None:  # a 503 that names no time is not one to wait out
+                return None
+        elif response.status_code != 429:
+            return None
         if delay is None:  # full jitter, so many clients do not come back together
             delay = random.uniform(0, 0.5 * 2 ** attempt)
         return min(delay, self.max_backoff)
@@ -574,7 +583,8 @@ class EmbgeomClient(_Transport, Calls):
     url : base URL of the service, e.g. ``http://127.0.0.1:8080``.
     api_key : sent as ``Authorization: Bearer <key>`` when given.
     timeout : seconds per request.
-    max_retries : 429 answers retried before :class:`ApiError` is raised.
+    max_retries : 429 answers (and 503 with ``Retry-After``) retried before
+        :class:`ApiError` is raised.
     max_backoff : upper bound, in seconds, of one wait between retries.
     transport : an ``httpx`` transport (tests pass ``httpx.MockTransport``).
     sleep : the function that waits (tests pass a recorder).

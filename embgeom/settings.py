@@ -23,7 +23,7 @@ __all__ = ["ModelSource", "Settings", "NOT_FOR_WORKERS"]
 # commands read.
 NOT_FOR_WORKERS = frozenset({
     "api_key", "api_keys", "api_keys_file", "metrics_require_key", "max_body_bytes",
-    "max_sync_bytes", "max_sync_runs", "render_cache_mb", "url",
+    "max_sync_bytes", "max_sync_runs", "model_load_wait_seconds", "render_cache_mb", "url",
 })
 
 
@@ -251,6 +251,10 @@ class Settings(BaseSettings):
     max_sync_runs: int = Field(
         2, ge=1, description="Synchronous model runs (probes, isotropy samples) at once in an API "
                              "process; beyond, 429 overloaded with Retry-After (never queued)")
+    model_load_wait_seconds: float = Field(
+        30.0, ge=0, description="How long a request that runs a model in the API process (probe, "
+                                "isotropy sample, input space, steering texts) waits for that "
+                                "model's first load; past it, 503 model_loading with Retry-After")
 
     @field_validator("worker_models", mode="before")
     @classmethod

@@ -82,8 +82,8 @@ class Forbidden(EmbgeomError):
 
 
 class ModelLoading(EmbgeomError):
-    """The model a request needs is loading in this process (503, ``Retry-After``): the
-    request is answered at once rather than held for the load (:mod:`service.sync_models`)."""
+    """The model a request needs is still loading in this process after the request waited
+    ``model_load_wait_seconds`` for it (503, ``Retry-After``; :mod:`service.sync_models`)."""
 
     type = "model_loading"
 

@@ -104,12 +104,14 @@ class Runtime:
 
     @property
     def sync_models(self) -> SyncModels:
-        """The way requests get a model of :attr:`sync_pool`: loaded, or 503
-        ``model_loading`` at once while it loads in the background."""
+        """The way requests get a model of :attr:`sync_pool`: loaded, or loaded on first
+        use while the request waits (``model_load_wait_seconds``; 503 ``model_loading``
+        past it)."""
         if self._sync_models is None:
             with self._sync_lock:
                 if self._sync_models is None:
-                    self._sync_models = SyncModels(lambda: self.sync_pool)
+                    self._sync_models = SyncModels(lambda: self.sync_pool,
+                                                   self.settings.model_load_wait_seconds)
         return self._sync_models
 
     @property

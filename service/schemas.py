@@ -13,8 +13,9 @@ from embgeom.store import keys as K
 
 
 # The 503 of an operation that may run a model in the API process.
-MODEL_503 = ("store_unavailable; model_loading: the model is loading in this process, retry after "
-             "Retry-After seconds; model_unavailable: it could not be loaded")
+MODEL_503 = ("store_unavailable; model_loading: the model was still loading in this process "
+             "after model_load_wait_seconds, retry after Retry-After seconds; "
+             "model_unavailable: it could not be loaded")
 
 
 class ErrorBody(BaseModel):

@@ -6,6 +6,7 @@ integration test runs the real console entry point against a real ``embgeom serv
 
 from __future__ import annotations
 
+import asyncio
 import csv
 import hashlib
 import io
@@ -138,6 +139,91 @@ def test_retry_after_as_an_http_date_and_capped_by_max_backoff():
     assert slept == [0.0, 5.0]
 
 
+def _loading(headers=None) -> httpx.Response:
+    return httpx.Response(503, headers=headers or {},
+                          json={"type": "model_loading", "message": "model 'minilm' is loading in this "
+                                "process; retry in 2 s", "detail": {"model": "minilm", "retry_after": 2}})
+
+
+def test_503_with_retry_after_is_retried_like_429():
+    seen = []
+
+    def handler(request):
+        seen.append(request)
+        if len(seen) == 1:
+            return _loading({"Retry-After": "2"})
+        if len(seen) == 2:
+            return _overloaded({"Retry-After": "1"})
+        return httpx.Response(200, json={"pearson_cosine": 0.5})
+
+    client, slept = _client(handler)
+    assert client.compare_global("c:minilm:3", "c:minilm:input") == {"pearson_cosine": 0.5}
+    assert slept == [2.0, 1.0]
+    assert len({r.content for r in seen}) == 1 and len(seen) == 3
+
+
+def test_503_with_retry_after_gives_up_past_the_retry_budget():
+    calls = []
+
+    def handler(request):
+        calls.append(request)
+        return _loading({"Retry-After": "2"})
+
+    client, slept = _client(handler, max_retries=3, max_backoff=1.5)
+    with pytest.raises(ApiError) as err:
+        client.compare_global("c:minilm:3", "c:minilm:input")
+    assert (err.value.status, err.value.type) == (503, "model_loading")
+    assert err.value.detail == {"model": "minilm", "retry_after": 2}
+    assert len(calls) == 4 and slept == [1.5, 1.5, 1.5]  # capped by max_backoff
+
+
+def test_503_without_retry_after_is_not_retried():
+    calls = []
+
+    def handler(request):
+        calls.append(request)
+        return httpx.Response(503, json={"status": "unavailable", "redis": True, "workers": 0,
+                                         "embedded": False})
+
+    client, slept = _client(handler)
+    with pytest.raises(ApiError) as err:
+        client.readyz()
+    assert err.value.status == 503
+    assert len(calls) == 1 and slept == []
+
+
+def test_the_async_client_retries_503_with_retry_after_within_its_budget():
+    from embgeom.client import AsyncEmbgeomClient
+
+    def run(answers: int, max_retries: int):
+        calls, slept = [], []
+
+        def handler(request):
+            calls.append(request)
+            if len(calls) <= answers:
+                return _loading({"Retry-After": "0.5"})
+            return httpx.Response(200, json={"pearson_cosine": 0.5})
+
+        async def sleep(seconds):
+            slept.append(seconds)
+
+        async def main():
+            async with AsyncEmbgeomClient("http://embgeom.test", transport=httpx.MockTransport(handler),
+                                          max_retries=max_retries, sleep=sleep) as client:
+                return await client.compare_global("c:minilm:3", "c:minilm:input")
+
+        try:
+            return asyncio.run(main()), calls, slept
+        except ApiError as exc:
+            return exc, calls, slept
+
+    got, calls, slept = run(answers=2, max_retries=2)
+    assert got == {"pearson_cosine": 0.5} and len(calls) == 3 and slept == [0.5, 0.5]
+    got, calls, slept = run(answers=3, max_retries=2)
+    assert isinstance(got, ApiError) and (got.status, got.type) == (503, "model_loading")
+    assert len(calls) == 3 and slept == [0.5, 0.5]
+
+
 def test_errors_are_raised_with_the_service_type_and_other_bodies_as_http_error():
     def handler(request):
         if request.url.path.endswith("/missing"):
@@ -152,7 +238,7 @@ def test_errors_are_raised_with_the_service_type_and_other_bodies_as_http_error(
     with pytest.raises(ApiError) as err:
         client.job("other")
     assert (err.value.status, err.value.type) == (502, "http_error")
-    assert slept == []  # only 429 is retried
+    assert slept == []  # only 429, and 503 with Retry-After, are retried
 
 
 def test_tokens_follows_the_cursor_to_the_last_page():

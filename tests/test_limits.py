@@ -247,20 +247,61 @@ def until_served(client, url, body, tries=240):
     raise AssertionError("the model never finished loading")
 
 
-def test_a_probe_of_an_unloaded_model_answers_503_model_loading_at_once(redis_server, loads):
+def test_a_first_probe_waits_for_its_model_while_healthz_stays_fast(redis_server, loads):
+    """A first call just works: the request waits (on the thread pool) for the load it
+    started and answers 200; /healthz is answered meanwhile."""
     settings = settings_for(redis_server.url, max_sync_runs=2)
     with TestClient(create_app(settings)) as client:
         loads["gate"].clear()  # the load starts, and cannot finish until the gate opens
+        out: dict = {}
+
+        def first():
+            t0 = time.monotonic()
+            out["r"] = client.post(PROBE, json=PROBE_BODY)
+            out["seconds"] = time.monotonic() - t0
+
+        thread = threading.Thread(target=first, daemon=True)
+        thread.start()
+        try:
+            deadline = time.monotonic() + 60
+            while loads["names"] == [] and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert loads["names"] == ["minilm"], "the first request started no load"
+            waits = []
+            for _ in range(10):  # a second, with the request waiting for the gated load
+                t0 = time.perf_counter()
+                assert client.get("/healthz").status_code == 200
+                waits.append(time.perf_counter() - t0)
+                time.sleep(0.1)
+            assert thread.is_alive(), "the request did not wait for its model"
+            assert max(waits) < 0.5, f"/healthz waited {max(waits):.2f} s behind a model's load"
+        finally:
+            loads["gate"].set()
+        thread.join(120)
+        r = out["r"]
+        assert r.status_code == 200, r.text
+        assert r.json()["n_train"] + r.json()["n_test"] == 4
+        assert out["seconds"] >= 1.0
+        assert loads["names"] == ["minilm"]
+        assert client.app.state.runtime.sync_pool.loaded() == ["minilm"]
+
+
+def test_a_load_past_the_wait_answers_503_model_loading_with_retry_after(redis_server, loads):
+    """Only past ``model_load_wait_seconds`` is a request answered 503 ``model_loading``
+    (with ``Retry-After``); its retry joins the same load."""
+    settings = settings_for(redis_server.url, max_sync_runs=2, model_load_wait_seconds=0.2)
+    with TestClient(create_app(settings)) as client:
+        loads["gate"].clear()
         try:
             start = time.monotonic()
             r = post_in_thread(client, PROBE, PROBE_BODY)
             took = time.monotonic() - start
-            assert r is not None, "the request waited for the model to load"
+            assert r is not None, "the request waited past its bound"
             assert is_error(r, 503, "model_loading"), (r.status_code, r.text[:300])
             assert int(r.headers["retry-after"]) >= 1
             assert r.json()["detail"]["model"] == "minilm"
+            assert 0.2 <= took < 10, took
             assert client.app.state.runtime.sync_pool.loaded() == []
-            print(f"\nfirst probe answered 503 model_loading in {took * 1000:.0f} ms")
             # A second request while the load runs: 503 again, and no second load.
             assert is_error(post_in_thread(client, PROBE, PROBE_BODY), 503, "model_loading")
         finally:
@@ -285,13 +326,17 @@ def test_two_first_requests_load_the_model_once(redis_server, loads, monkeypatch
     monkeypatch.setattr(ModelPool, "__init__", slow_init)
     settings = settings_for(redis_server.url, max_sync_runs=4)
     with TestClient(create_app(settings)) as client:
-        threads = [threading.Thread(target=client.post, args=(PROBE,), kwargs={"json": PROBE_BODY})
-                   for _ in range(3)]
+        answers = [None] * 3
+
+        def post(i):
+            answers[i] = client.post(PROBE, json=PROBE_BODY)
+
+        threads = [threading.Thread(target=post, args=(i,)) for i in range(3)]
         for t in threads:
             t.start()
         for t in threads:
             t.join(120)
-        assert until_served(client, PROBE, PROBE_BODY).status_code == 200
+        assert [r.status_code for r in answers] == [200] * 3, [r.text[:200] for r in answers]
         assert loads["names"] == ["minilm"], loads["names"]
 
 
@@ -300,22 +345,38 @@ def test_a_failed_load_is_503_model_unavailable_then_retried(redis_server, monke
     from embgeom.errors import ModelLoadError
 
     calls = []
+    gate = threading.Event()
+    gate.set()
 
     def broken(self, name):
         calls.append(name)
+        assert gate.wait(60)
         raise ModelLoadError(name, "weights missing")
 
     monkeypatch.setattr(ModelPool, "_load", broken)
     settings = settings_for(redis_server.url, max_sync_runs=2)
     with TestClient(create_app(settings)) as client:
-        assert is_error(client.post(PROBE, json=PROBE_BODY), 503, "model_loading")
-        r = until_served(client, PROBE, PROBE_BODY)
+        # The request waits for its load and is told its failure.
+        r = client.post(PROBE, json=PROBE_BODY)
         assert is_error(r, 503, "model_unavailable"), r.text
         assert "weights missing" in r.json()["message"]
-        # The failure was told once; the next request starts a new load.
-        assert is_error(client.post(PROBE, json=PROBE_BODY), 503, "model_loading")
-        until_served(client, PROBE, PROBE_BODY)
+        # The next request starts a new load (and is told again).
+        assert is_error(client.post(PROBE, json=PROBE_BODY), 503, "model_unavailable")
         assert calls == ["minilm", "minilm"]
+        # A failure no request was waiting for any more is told to the next one, once.
+        client.app.state.runtime.sync_models.wait_seconds = 0.1
+        gate.clear()
+        assert is_error(client.post(PROBE, json=PROBE_BODY), 503, "model_loading")
+        gate.set()
+        deadline = time.monotonic() + 30
+        while client.app.state.runtime.sync_models.loading() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        r = client.post(PROBE, json=PROBE_BODY)
+        assert is_error(r, 503, "model_unavailable"), r.text
+        assert calls == ["minilm"] * 3
+        r = client.post(PROBE, json=PROBE_BODY)  # the one after: a new load, failing again
+        assert r.status_code == 503 and r.json()["type"] in ("model_loading", "model_unavailable"), r.text
+        assert calls == ["minilm"] * 4
 
 
 # ------------------------------------------------------- no sync Redis on the loop

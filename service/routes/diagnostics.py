@@ -22,7 +22,8 @@ Transform = Annotated[Optional[str], Query(description="none | standardize | abt
                                            **documented(pattern=TRANSFORM_PATTERN))]
 Threshold = Annotated[float, FiniteQuery(gt=0, description="Outlier if variance >= threshold x mean variance")]
 # A synchronous model run: 413 beyond the text limits, 429 beyond max_sync_runs at once,
-# 503 model_loading at once while its model loads in this process.
+# 503 model_loading when its model is still loading in this process past
+# model_load_wait_seconds.
 SYNC_RESPONSES = {413: {"model": ErrorBody}, 429: {"model": ErrorBody},
                   503: {"model": ErrorBody, "description": MODEL_503}}
 
@@ -67,8 +68,9 @@ def layer_similarity(pair: PairDep, model: ModelDep, rt: RuntimeDep,
 async def isotropy_sample(pair: PairDep, layer: LayerDep, body: SampleRequest, rt: RuntimeDep) -> dict:
     """IsoScore and IsoScore* (Rudman & Eickhoff 2024) of a mini-batch, shrunk toward the
     collection's covariance or the identity. Runs the model in the API process, on the
-    thread pool, at most ``max_sync_runs`` at once (429 beyond); while the model loads,
-    503 ``model_loading`` with ``Retry-After`` at once."""
+    thread pool, at most ``max_sync_runs`` at once (429 beyond); a model not loaded yet is
+    loaded first, the request waiting for it up to ``model_load_wait_seconds`` (503
+    ``model_loading`` with ``Retry-After`` past it)."""
     check_sync_texts(rt.settings, body.texts)
 
     def run():
@@ -88,7 +90,8 @@ async def isotropy_sample(pair: PairDep, layer: LayerDep, body: SampleRequest, r
 async def outlier_probe(body: ProbeRequest, rt: RuntimeDep) -> dict:
     """The 1-D outlier-dimension probe (Rudman et al. 2023) on labelled texts. Runs the
     model in the API process, on the thread pool, at most ``max_sync_runs`` at once (429
-    beyond); while the model loads, 503 ``model_loading`` with ``Retry-After`` at once."""
+    beyond); a model not loaded yet is loaded first, the request waiting for it up to
+    ``model_load_wait_seconds`` (503 ``model_loading`` with ``Retry-After`` past it)."""
     check_sync_texts(rt.settings, body.texts)
     rt.registry.source(body.model)  # unknown alias -> 404 unknown_model
     info = await rt.model_info(body.model)
