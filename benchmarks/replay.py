@@ -30,7 +30,7 @@ from benchmarks.shapes import REPLAY_SHAPES
 from embgeom.compute.engine import PreparedJob
 from embgeom.stats import LayerMoments, TokenMoments
 
-__all__ = ["Recording", "record_bbc", "ReplayEngine", "replay_settings", "submit_replay_jobs"]
+__all__ = ["Recording", "record_bbc", "ReplayEngine", "fold", "replay_settings", "submit_replay_jobs"]
 
 F64 = torch.float64
 
@@ -43,6 +43,15 @@ class Recording:
     jobs: list               # list of batch index lists
     tokens: int
     tokenize_seconds: float
+
+
+def fold(window, ids, n, s1, s2, unit) -> None:
+    """What the worker does with a batch's per-type sums once the reduction has them: look
+    up the window's rows of ``ids`` (appending new keys; their shifts stay 0 here) and
+    :meth:`~embgeom.compute.window.WindowAccumulator.add_sums`. Returns None, the token
+    moments a fused reduction returns."""
+    rows, _ = window.rows(ids.to(window.device))
+    window.add_sums(rows, n, s1, s2, unit)
 
 
 @lru_cache(maxsize=4)
@@ -103,15 +112,22 @@ class ReplayEngine:
         counted = sum(self.recording.batches[b][2] for b in batches)
         return PreparedJob(batches, counted, len(batches))
 
-    def run(self, batch: int, comoment=None):
-        """The batch's moments. The co-moment GEMM is device work (what the host ceiling
-        leaves out): with a sink it is not replayed; without one a recorded matrix is."""
+    def run(self, batch: int, window=None):
+        """The batch's moments. With ``window`` (the worker's path), its per-type sums go
+        into it as the reduction's would (:meth:`WindowAccumulator.add_sums`, the rows
+        looked up, new rows' shifts left at 0) and the token moments returned are None;
+        the co-moment GEMM is device work (what the host ceiling leaves out) and is not
+        replayed. Without one, the token moments and a recorded co-moment are returned."""
         ids, n, N = self.recording.batches[batch]
         k = len(ids)
-        tokens = TokenMoments(torch.from_numpy(ids), torch.from_numpy(n).to(F64), self._mean[:k],
-                              self._m2[:k], None if self._unit is None else self._unit[:k])
-        layers = LayerMoments(N, self._lay_mean, None if comoment is not None else self._com,
+        unit = None if self._unit is None else self._unit[:k]
+        layers = LayerMoments(N, self._lay_mean, None if window is not None else self._com,
                               self._lay_unit, self._lay_unit.abs())
+        if window is not None:
+            return fold(window, torch.from_numpy(ids), torch.from_numpy(n).to(F64),
+                        self._mean[:k], self._m2[:k], unit), layers
+        tokens = TokenMoments(torch.from_numpy(ids), torch.from_numpy(n).to(F64), self._mean[:k],
+                              self._m2[:k], unit)
         return tokens, layers
 
 

@@ -636,12 +636,17 @@ def bench_store(out: dict, client) -> dict:
 
 
 def bench_merge(jobs: int, repeat: int, device: str = "cpu", shape: str = "minilm") -> dict:
-    """``merge.merge_over_bare``: the worker's window merge
-    (:meth:`WindowAccumulator.add`, Chan's merge of gathered rows) over a bare
-    ``index_add_`` of the same per-batch arrays (counts, means, M2, unit sums) into
-    accumulators of the same shape, rows given for free, on the same device; each over
-    the recorded BBC batches of ``jobs`` jobs, alternated ``repeat`` times, medians.
-    The window starts at the rows it will reach (a later window's start)."""
+    """``merge.merge_over_bare``: the worker's window update over a bare ``index_add_`` of
+    the same per-batch arrays into accumulators of the same shape, on the same device;
+    each over the recorded BBC batches of ``jobs`` jobs, alternated ``repeat`` times, medians.
+
+    The window update is what the worker does per batch once the reduction has its per-type
+    sums about the window's shifts (float32 on the device): look up the rows (appending new
+    keys), convert the sums to float64 and :meth:`WindowAccumulator.add_sums` them. The bare
+    figure gets the float64 arrays and the rows for free. The window starts at the rows it
+    will reach (a later window's start). ``moments_merge_over_bare`` is the same for a
+    batch's token moments (``WindowAccumulator.add``: means and M2 turned into sums about
+    the shifts), the path of reductions done without the window."""
     import torch
 
     from benchmarks.replay import ReplayEngine
@@ -653,25 +658,37 @@ def bench_merge(jobs: int, repeat: int, device: str = "cpu", shape: str = "minil
     jobs = min(jobs, len(rec.jobs))
     engine = ReplayEngine(rec, L, d, sim)
     dev = torch.device(device)
-    sink = WindowAccumulator(L, d, sim, dev, capacity=1).layers  # the co-moment stays on the device
     batches = []
     for j in range(jobs):
         for b in rec.jobs[j]:
-            t, lay = engine.run(b, sink)
-            t = type(t)(*(None if x is None else x.to(dev) for x in (t.ids, t.n, t.mean, t.m2, t.unit_sum)))
-            lay = type(lay)(lay.n, *(None if x is None else x.to(dev) for x in
-                                     (lay.mean, lay.comoment, lay.unit_sum, lay.unit_sq_sum)))
-            batches.append((t, lay))
-    keys = torch.unique(torch.cat([t.ids for t, _ in batches]))
-    rows = [torch.searchsorted(keys, t.ids) for t, _ in batches]
+            t, _ = engine.run(b)
+            batches.append(type(t)(*(None if x is None else x.to(dev) for x in
+                                     (t.ids, t.n, t.mean, t.m2, t.unit_sum))))
+    keys = torch.unique(torch.cat([t.ids for t in batches]))
+    rows = [torch.searchsorted(keys, t.ids) for t in batches]
+    # the reduction's float32 per-type sums, as they leave the device's index_add_
+    work = [(t.ids, t.n, t.mean.float(), t.m2.float(), None if t.unit_sum is None else t.unit_sum.float())
+            for t in batches]
     k = len(keys)
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    lay = engine.run(rec.jobs[0][0], WindowAccumulator(L, d, sim, dev, capacity=1))[1]
 
     def merge() -> float:
         acc = WindowAccumulator(L, d, sim, dev, capacity=k)
         sync()
         t0 = time.perf_counter()
-        for t, lay in batches:
+        with torch.inference_mode():
+            for ids, n, s1, s2, unit in work:
+                r, _ = acc.rows(ids)
+                acc.add_sums(r, n, s1.double(), s2.double(), None if unit is None else unit.double())
+        sync()
+        return time.perf_counter() - t0
+
+    def moments() -> float:
+        acc = WindowAccumulator(L, d, sim, dev, capacity=k)
+        sync()
+        t0 = time.perf_counter()
+        for t in batches:
             acc.add(t, lay)
         sync()
         return time.perf_counter() - t0
@@ -682,7 +699,7 @@ def bench_merge(jobs: int, repeat: int, device: str = "cpu", shape: str = "minil
         sync()
         t0 = time.perf_counter()
         with torch.inference_mode():
-            for (t, _), r in zip(batches, rows):
+            for t, r in zip(batches, rows):
                 n.index_add_(0, r, t.n)
                 mean.index_add_(0, r, t.mean)
                 m2.index_add_(0, r, t.m2)
@@ -691,16 +708,17 @@ def bench_merge(jobs: int, repeat: int, device: str = "cpu", shape: str = "minil
         sync()
         return time.perf_counter() - t0
 
-    merge(), bare()  # warm-up
-    m, b = [], []
+    merge(), moments(), bare()  # warm-up
+    m, mo, b = [], [], []
     for i in range(repeat):
-        for f in ((merge, bare) if i % 2 == 0 else (bare, merge)):
-            (m if f is merge else b).append(f())
-    tokens = sum(int(lay.n) for _, lay in batches)
-    mm, bb = statistics.median(m), statistics.median(b)
-    return {"merge_over_bare": bb / mm, "merge_tok_s": tokens / mm, "bare_tok_s": tokens / bb,
-            "merge_s": mm, "bare_s": bb, "tokens": tokens, "types": k, "batches": len(batches),
-            "shape": shape, "device": str(dev), "repeats": repeat}
+        for f in ((merge, moments, bare) if i % 2 == 0 else (bare, moments, merge)):
+            {merge: m, moments: mo, bare: b}[f].append(f())
+    tokens = sum(int(t.n.sum()) for t in batches)
+    mm, mom, bb = statistics.median(m), statistics.median(mo), statistics.median(b)
+    return {"merge_over_bare": bb / mm, "moments_merge_over_bare": bb / mom,
+            "merge_tok_s": tokens / mm, "bare_tok_s": tokens / bb,
+            "merge_s": mm, "moments_merge_s": mom, "bare_s": bb, "tokens": tokens, "types": k,
+            "batches": len(batches), "shape": shape, "device": str(dev), "repeats": repeat}
 
 
 def over_raw(out: dict, shape: str) -> float:

@@ -190,9 +190,10 @@ class SteadyEngine:
     ``i``-th seed job: count-1 batches over ``seed`` (sorted ids), at most
     ``seed_rows`` types a job (a window's byte budget), at most the largest recorded
     batch's types a batch. ``run`` returns a batch's moments on ``device``: ids and
-    counts kept there per batch, values the first k rows of a fixed random pool. With a
-    co-moment sink (the worker always gives its window's) no co-moment is returned: the
-    GEMM is the reduction's device work, which this replay leaves out."""
+    counts kept there per batch, values the first k rows of a fixed random pool. Given
+    the window (the worker always gives it), the per-type sums go into it as the fused
+    reduction's do; no co-moment is returned: the GEMM is the reduction's device work,
+    which this replay leaves out."""
 
     def __init__(self, recording: Recording, layers: int, d: int, self_similarity: bool,
                  device="cpu", seed: Optional[np.ndarray] = None, seed_rows: int = 1 << 30,
@@ -234,14 +235,17 @@ class SteadyEngine:
         self.prepared += 1
         return PreparedJob(batches, sum(self._batches[b][2] for b in batches), len(batches))
 
-    def run(self, batch: int, comoment=None):
+    def run(self, batch: int, window=None):
+        from benchmarks.replay import fold
         from embgeom.stats import LayerMoments, TokenMoments
 
         ids, n, N = self._batches[batch]
         k = len(ids)
-        tokens = TokenMoments(ids, n, self._mean[:k], self._m2[:k],
-                              None if self._unit is None else self._unit[:k])
-        return tokens, LayerMoments(N, self._lay_mean, None, self._lay_unit, self._lay_unit_sq)
+        unit = None if self._unit is None else self._unit[:k]
+        layers = LayerMoments(N, self._lay_mean, None, self._lay_unit, self._lay_unit_sq)
+        if window is not None:  # the worker's path: the sums go into its window
+            return fold(window, ids, n, self._mean[:k], self._m2[:k], unit), layers
+        return TokenMoments(ids, n, self._mean[:k], self._m2[:k], unit), layers
 
 
 class _Vocabulary:

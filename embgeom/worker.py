@@ -36,6 +36,7 @@ from typing import Callable, Optional
 import redis
 
 from embgeom.compute.engine import CountingRule, Engine
+from embgeom.compute.reduce import PRECISIONS
 from embgeom.compute.models import ModelPool, ModelRegistry
 from embgeom.compute.window import WindowAccumulator
 from embgeom.errors import EmbgeomError, JobFenced, StoreUnavailable
@@ -369,7 +370,8 @@ class Worker:
         rows = self._window_rows.get(shape, first)
         return WindowAccumulator(conf.L, conf.d, conf.self_similarity, device,
                                  capacity=min(rows, max_rows), max_capacity=max_rows,
-                                 cross_layer=conf.cross_layer)
+                                 cross_layer=conf.cross_layer,
+                                 shift_dtype=PRECISIONS[getattr(engine, "precision", "fp32")])
 
     def _remember_window(self, acc: WindowAccumulator) -> None:
         """Note the rows a closing window reached, for the next one of its shape (a
@@ -403,10 +405,8 @@ class Worker:
         try:
             batches = item.job.batches
             for i, batch in enumerate(batches):
-                with self.clock.timed("forward_reduce"):
-                    tokens, layers = item.engine.run(batch, w.acc.layers)
-                with self.clock.timed("merge"):
-                    w.acc.add(tokens, layers)
+                with self.clock.timed("forward_reduce"):  # the batch's sums go into the window
+                    w.acc.add(*item.engine.run(batch, w.acc))
                 self._on_progress((i + 1) / max(len(batches), 1), None)
         except HandBack:
             self._drop_window(hand_back=True)
@@ -731,7 +731,7 @@ class Worker:
                                                      record["epochs"], payloads):
                 job = engine.prepare(json.loads(payload))
                 for batch in job.batches:
-                    acc.add(*engine.run(batch, acc.layers))
+                    acc.add(*engine.run(batch, acc))
                 held.append(Held(job_id, entry, epoch, job.counted))
                 names.update(job.names)
             tokens, layers = acc.export()

@@ -163,7 +163,7 @@ def test_the_first_window_of_a_wide_shape_starts_within_64_mb(redis_server):
     w = make_worker(redis_server.url, ["minilm"])  # the default byte budget: 1 GiB
     conf = PairConf.resolve(CollectionSettings(), 0, 17, 2048, 49152, 32, 2 << 20)
     acc = w._accumulator(conf, None)
-    row = 8 * (2 + 17 * (1 + 2 * 2048))
+    row = 8 * (2 + 17 * (1 + 2 * 2048)) + 4 * 17 * 2048  # the checkpointed state and the float32 shifts
     assert WindowAccumulator.row_bytes(17, 2048, True) == row
     assert 0 < acc._keys.shape[0] * row <= 64 << 20
 

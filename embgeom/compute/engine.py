@@ -97,9 +97,11 @@ class Engine:
         return out
 
     @torch.inference_mode()
-    def run(self, batch: dict, comoment=None) -> tuple[TokenMoments, LayerMoments]:
-        """Forward one prepared batch and reduce it on the device; its co-moment goes into
-        ``comoment`` (the window's :class:`~embgeom.compute.window.LayerSums`) if given."""
+    def run(self, batch: dict, window=None) -> tuple[Optional[TokenMoments], LayerMoments]:
+        """Forward one prepared batch and reduce it on the device. With ``window`` (a
+        :class:`~embgeom.compute.window.WindowAccumulator`), the batch's per-type sums and
+        its co-moment go straight into it, and the token moments returned are None: pass
+        the pair to ``window.add``, which folds in the layer moments."""
         dev = self.loaded.device
         moved = {k: v.to(dev, non_blocking=True) for k, v in batch.items()}
         hidden = self.loaded.hidden_states(moved["input_ids"], moved["attention"])
@@ -109,7 +111,7 @@ class Engine:
                                       PRECISIONS[self.precision])
             layers, counted = range(len(layers)), torch.ones_like(keys, dtype=torch.bool)
         return reduce_batch(hidden, layers, keys, counted, self.rule.self_similarity,
-                            self.precision, comoment)
+                            self.precision, None if window is None else window.layers, window)
 
 
 def pool_words(hidden_states: Sequence[torch.Tensor], layers: Sequence[int], keys: torch.Tensor,

@@ -33,7 +33,7 @@ import torch
 
 from embgeom.stats import LayerMoments, TokenMoments
 
-__all__ = ["PRECISIONS", "ComomentSink", "reduce_batch"]
+__all__ = ["PRECISIONS", "ComomentSink", "TokenSink", "Workspace", "reduce_batch"]
 
 PRECISIONS = {"fp32": torch.float32, "fp64": torch.float64}
 F64 = torch.float64
@@ -45,6 +45,44 @@ _GROUP_ELEMENTS = 1 << 26
 _SAFE = (1e-15, 1e15)
 
 
+class Workspace:
+    """Buffers a reduction reuses from batch to batch, one per name, grown when a batch
+    needs more (never shrunk: its owner, the window, lets them go with itself).
+
+    Why: the work tensors of a batch are tens of MB, above glibc's mmap threshold (32 MB
+    at most), so each fresh one is mapped, page-faulted and zeroed by the kernel, then
+    unmapped: on this project's CPU a float32 -> float64 copy of a (1000, 7, 384) block
+    takes 12.6 ms into a fresh tensor and 2.2 ms into a warm one. The device's own
+    caching allocator makes this moot on a GPU, where the buffers are reused all the same.
+    """
+
+    def __init__(self):
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held."""
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+    def take(self, name: str, shape: tuple, dtype: torch.dtype, device, zero: bool = False) -> torch.Tensor:
+        """A contiguous tensor of ``shape`` and ``dtype`` over the buffer ``name``
+        (its contents are the last user's unless ``zero``)."""
+        numel = 1
+        for size in shape:
+            numel *= size
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != torch.device(device):
+            self._buffers.pop(name, None)  # the old one goes before the new one is made
+            buf = self._buffers[name] = torch.empty(max(numel, 1), dtype=dtype, device=device)
+        out = buf[:numel].view(shape)
+        return out.zero_() if zero else out
+
+
+def _fresh(name: str, shape: tuple, dtype: torch.dtype, device, zero: bool = False) -> torch.Tensor:
+    """:meth:`Workspace.take` without a workspace: a new tensor."""
+    return (torch.zeros if zero else torch.empty)(shape, dtype=dtype, device=device)
+
+
 class ComomentSink(Protocol):
     """Where a batch's co-moment goes: ``shift`` (L, d) float64 (None before the first
     batch: the reduction sets it to that batch's mean) and ``A`` (L, d, d) float64,
@@ -54,6 +92,24 @@ class ComomentSink(Protocol):
     shift: Optional[torch.Tensor]
     A: torch.Tensor
     cross: Optional[torch.Tensor]
+
+
+class TokenSink(Protocol):
+    """Where a batch's per-type sums go (the window: :class:`~embgeom.compute.window.WindowAccumulator`).
+
+    ``rows(ids)`` gives each sorted unique key's row and the mask of rows new to it;
+    ``shift`` (rows, L, d) holds each row's shift ``r_t`` in its dtype, which the reduction
+    sets for new rows (their first occurrence) and subtracts; ``add_sums`` folds in the
+    float64 ``(n, S1, S2, unit sums)`` about those shifts (arrays of its ``workspace``,
+    which it reads before the next batch)."""
+
+    shift: torch.Tensor
+    workspace: Workspace
+
+    def rows(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def add_sums(self, rows: torch.Tensor, n: torch.Tensor, s1: torch.Tensor, s2: torch.Tensor,
+                 unit_sum: Optional[torch.Tensor]) -> None: ...
 
 
 def _gemm_into(x: torch.Tensor, out: torch.Tensor) -> None:
@@ -96,7 +152,8 @@ def _gemm_into(x: torch.Tensor, out: torch.Tensor) -> None:
 @torch.inference_mode()
 def reduce_batch(hidden_states: Sequence[torch.Tensor], layers: Sequence[int], keys: torch.Tensor,
                  counted: torch.Tensor, self_similarity: bool = True, precision: str = "fp32",
-                 comoment: Optional[ComomentSink] = None) -> tuple[TokenMoments, LayerMoments]:
+                 comoment: Optional[ComomentSink] = None,
+                 tokens: Optional[TokenSink] = None) -> tuple[Optional[TokenMoments], LayerMoments]:
     """Reduce one batch to per-token and per-layer moments, on the hidden states' device.
 
     Parameters
@@ -111,16 +168,23 @@ def reduce_batch(hidden_states: Sequence[torch.Tensor], layers: Sequence[int], k
         ``LayerMoments.comoment`` is None); without one, it is returned. A sink whose
         ``cross`` is a tensor also gets the co-moment of the concatenated layers (one GEMM
         of width L d after the layer groups, on the same centred data).
+    tokens : a :class:`TokenSink` (the window): each type's sums about the sink's shift
+        ``r_t`` are added into it, one ``index_add_`` per array, and None is returned in
+        place of the token moments. Its shift dtype must be the work dtype.
 
     Returns
     -------
     TokenMoments over the distinct keys (sorted; float64 torch tensors on the device,
-    token-major (k, L, d)), and LayerMoments of the batch (float64 tensors on the device).
+    token-major (k, L, d)), or None with ``tokens``; and LayerMoments of the batch
+    (float64 tensors on the device).
 
     Notes
     -----
-    A zero hidden state has no direction; its unit vector is taken as 0 (it never occurs
-    in practice for trained models, and is documented rather than hidden).
+    Per type, the sums run on ``y = x - r_t``: ``r_t`` the type's first occurrence in the
+    window (with ``tokens``) or in the batch, so they see deviations of the size of the
+    type's variance, not of its mean. A zero hidden state has no direction; its unit vector
+    is taken as 0 (it never occurs in practice for trained models, and is documented rather
+    than hidden).
     """
     work = PRECISIONS[precision]
     device = hidden_states[0].device
@@ -128,46 +192,62 @@ def reduce_batch(hidden_states: Sequence[torch.Tensor], layers: Sequence[int], k
     flat_keys = keys.to(device)[counted]
     ids, inverse, n = torch.unique(flat_keys, sorted=True, return_inverse=True, return_counts=True)
     k, N, L, d = ids.numel(), flat_keys.numel(), len(layers), hidden_states[0].shape[-1]
+    n64 = n.to(F64)
 
-    tok_mean = torch.zeros((k, L, d), dtype=F64, device=device)
-    tok_m2 = torch.zeros((k, L), dtype=F64, device=device)
-    tok_unit = torch.zeros((k, L, d), dtype=F64, device=device) if self_similarity else None
     lay_mean = torch.zeros((L, d), dtype=F64, device=device)
     lay_com = None if comoment is not None else torch.zeros((L, d, d), dtype=F64, device=device)
     lay_unit = torch.zeros((L, d), dtype=F64, device=device)
     lay_unit_sq = torch.zeros((L, d), dtype=F64, device=device)
+    layer_moments = LayerMoments(N, lay_mean, lay_com, lay_unit, lay_unit_sq)
+    if tokens is not None:
+        if tokens.shift.dtype != work:
+            raise ValueError(f"the window's shifts are {tokens.shift.dtype}, the work dtype {work}")
+        if N == 0:
+            return None, layer_moments
+        take = tokens.workspace.take
+        rows, fresh = tokens.rows(ids)
+        shift = torch.index_select(tokens.shift, 0, rows,                 # r_t, (k, L, d)
+                                   out=take("shift", (k, L, d), work, device))
+        tok_s1 = take("s1", (k, L, d), F64, device)                      # S1 about r_t
+    else:
+        take = _fresh
+        tok_s1 = torch.zeros((k, L, d), dtype=F64, device=device)       # the means
+    tok_m2 = take("s2", (k, L), F64, device, zero=True)                  # S2, or m2
+    tok_unit = take("unit64", (k, L, d), F64, device, zero=True) if self_similarity else None
     if N == 0:
-        return (TokenMoments(ids, n.to(F64), tok_mean, tok_m2, tok_unit),
-                LayerMoments(0, lay_mean, lay_com, lay_unit, lay_unit_sq))
+        return TokenMoments(ids, n64, tok_s1, tok_m2, tok_unit), layer_moments
 
     first_batch = comoment is not None and comoment.shift is None
     if first_batch:  # the window's first batch: its mean becomes the window's fixed shift
         comoment.shift = torch.zeros((L, d), dtype=F64, device=device)
     group = max(1, _GROUP_ELEMENTS // max(1, N * d))
     ones = torch.ones((1, N), dtype=work, device=device)
-    n64 = n.to(F64)
-    # the first occurrence of each token: its representative r_t
+    positions = counted.reshape(-1).nonzero().squeeze(1)                 # the N counted rows
+    # the first occurrence of each token: its representative r_t when it has none yet
     first = torch.full((k,), N, dtype=torch.long, device=device).scatter_reduce_(
         0, inverse, torch.arange(N, device=device), reduce="amin")  # each token's first row
+    new = None if tokens is None else fresh.nonzero().squeeze(1)
     cross = getattr(comoment, "cross", None)
     centred = [] if cross is not None else None  # each group's x - s, for the cross GEMM
     for g0 in range(0, L, group):
         sel = slice(g0, min(L, g0 + group))
-        x = torch.stack([hidden_states[layer][counted] for layer in layers[sel]], dim=1).to(work)
-        G = x.shape[1]
+        G = sel.stop - sel.start
+        x = take("x", (N, G, d), work, device)
+        for j, layer in enumerate(layers[sel]):
+            x[:, j].copy_(hidden_states[layer].reshape(-1, d).index_select(0, positions))
         flat = x.view(N, G * d)
         # Unit vectors of the raw states first (then x is centred in place). Column sums
         # over the N rows go through a BLAS product with a row of ones: blocked sums, far
         # faster than a strided reduction along dim 0.
         inv = torch.linalg.vector_norm(x, dim=2, keepdim=True).reciprocal_()
         inv.masked_fill_(~torch.isfinite(inv), 0.0)              # a zero vector has no direction
-        unit = x * inv
+        unit = torch.mul(x, inv, out=take("a", (N, G, d), work, device))
         lay_unit[sel] = (ones @ unit.view(N, G * d)).view(G, d).to(F64)
-        lay_unit_sq[sel] = (ones @ (unit * unit).view(N, G * d)).view(G, d).to(F64)
+        squares = torch.mul(unit, unit, out=take("b", (N, G, d), work, device))
+        lay_unit_sq[sel] = (ones @ squares.view(N, G * d)).view(G, d).to(F64)
         if tok_unit is not None:
-            tok_unit[:, sel] = torch.zeros((k, G, d), dtype=work, device=device) \
-                .index_add_(0, inverse, unit).to(F64)
-        del unit, inv
+            tok_unit[:, sel] = take("unit", (k, G, d), work, device, zero=True).index_add_(0, inverse, unit)
+        del unit, inv, squares
         if comoment is None or first_batch:
             # The centre actually subtracted is the work-dtype value of the mean: keep
             # exactly that value (in float64), so that c + offset is the mean.
@@ -176,25 +256,38 @@ def reduce_batch(hidden_states: Sequence[torch.Tensor], layers: Sequence[int], k
                 comoment.shift[sel] = centre
         else:
             centre = comoment.shift[sel]
-        xc = x - centre.to(work)                                 # centred on c: the GEMM's input
-        # Per token, sums about its own first occurrence r_t (the shifted-data algorithm,
-        # with the shift inside the token's data): y = x - r_t subtracts nearly equal
-        # numbers (exact), so a token tight around its mean keeps its variance to full
-        # precision however far it lies from c; identical occurrences (a lone one, a
-        # decoder's input embeddings) give m2 = 0 and mean = r_t exactly; and
-        # m2 = sum ||y||^2 - n ||mean - r_t||^2 loses a factor 1 + ||mean - r_t||^2 / V_t,
-        # a few units when r_t is a few standard deviations out.
-        rep = x.index_select(0, first)                           # r_t, (k, G, d)
-        x -= rep.index_select(0, inverse)                        # x is now y = x - r_t
-        sums = torch.zeros((k, G, d), dtype=work, device=device).index_add_(0, inverse, x)
-        sq = torch.zeros((k, G), dtype=work, device=device) \
-            .index_add_(0, inverse, torch.linalg.vector_norm(x, dim=2).square_()).to(F64)
-        offset = sums.to(F64) / n64[:, None, None]               # mean_t - r_t, float64
-        tok_m2[:, sel] = (sq - n64[:, None] * (offset * offset).sum(dim=2)).clamp_(min=0.0)
-        tok_mean[:, sel] = rep.to(F64) + offset
-        # mean - c over all N, from the k token means (float64, no pass over N)
-        xbar = (n64[:, None, None] * (tok_mean[:, sel] - centre)).sum(dim=0) / N
+        # centred on c: the GEMM's input (kept apart for the cross GEMM after the groups)
+        xc = torch.sub(x, centre.to(work), out=_fresh("xc", (N, G, d), work, device)
+                       if centred is not None else take("b", (N, G, d), work, device))
+        # Per type, sums about its representative r_t (the shifted-data algorithm, with
+        # the shift inside the type's data): y = x - r_t subtracts nearly equal numbers,
+        # so a type tight around its mean keeps its variance to full precision however far
+        # it lies from c; identical occurrences (a lone one, a decoder's input embeddings)
+        # give y = 0 exactly.
+        if tokens is None:
+            rep = x.index_select(0, first)                       # r_t, (k, G, d)
+        else:
+            rep = shift[:, sel]
+            if new.numel():  # types new to the window: their first occurrence here
+                rep[new] = x.index_select(0, first[new])
+        x.sub_(torch.index_select(rep, 0, inverse, out=take("a", (N, G, d), work, device)))
+        sums = take("sums", (k, G, d), work, device, zero=True).index_add_(0, inverse, x)   # S1 - y = x - r_t
+        sq = take("sq", (k, G), work, device, zero=True) \
+            .index_add_(0, inverse, torch.linalg.vector_norm(x, dim=2).square_())
+        # mean - c over all N, from the per-type sums in float64 (k rows, no pass over N):
+        # sum_t n_t (r_t - c) + sum_t S1_t
+        rep64 = take("rep64", (k, G, d), F64, device)
+        rep64.copy_(rep)
+        s1 = tok_s1[:, sel]
+        s1.copy_(sums)                                           # sum (x - r_t), float64
+        xbar = ((n64 @ rep64.view(k, G * d)).view(G, d) - N * centre + s1.sum(dim=0)) / N
         lay_mean[sel] = centre + xbar
+        if tokens is None:
+            offset = s1 / n64[:, None, None]                     # mean_t - r_t, float64
+            tok_m2[:, sel] = (sq.to(F64) - n64[:, None] * (offset * offset).sum(dim=2)).clamp_(min=0.0)
+            tok_s1[:, sel] = rep64 + offset                      # the mean
+        else:
+            tok_m2[:, sel] = sq
         if comoment is not None:
             _gemm_into(xc, comoment.A[sel])                      # sum (x - s)(x - s)^T
             if centred is not None:
@@ -204,10 +297,14 @@ def reduce_batch(hidden_states: Sequence[torch.Tensor], layers: Sequence[int], k
             block = torch.zeros((G, d, d), dtype=F64, device=device)
             _gemm_into(xc, block)
             lay_com[sel] = block - N * xbar[:, :, None] * xbar[:, None, :]
-        del x, xc, flat, sums, offset, rep
+        del x, xc, flat, sums, rep, rep64, s1
     if centred:
         # every layer pair's cross-moment about the window's shift, one (L d)-wide GEMM
         _gemm_into(torch.cat(centred, dim=1)[:, None, :], cross[None])
         del centred
-    tokens = TokenMoments(ids=ids, n=n.to(F64), mean=tok_mean, m2=tok_m2, unit_sum=tok_unit)
-    return tokens, LayerMoments(N, lay_mean, lay_com, lay_unit, lay_unit_sq)
+    if tokens is not None:
+        if new.numel():
+            tokens.shift.index_copy_(0, rows[new], shift[new])
+        tokens.add_sums(rows, n64, tok_s1, tok_m2, tok_unit)
+        return None, layer_moments
+    return TokenMoments(ids=ids, n=n64, mean=tok_s1, m2=tok_m2, unit_sum=tok_unit), layer_moments

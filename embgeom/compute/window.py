@@ -7,8 +7,24 @@ distinct keys the window has seen (Heaps' law), never with the vocabulary: rows 
 appended on first sight, and a sorted index maps keys to rows (``searchsorted``, no
 per-key Python loop).
 
-Per token, batches are merged with :func:`embgeom.stats.chan_merge` (gathered rows, in
-place). Per layer, the window keeps float64 sums about a fixed shift ``s`` (its first
+Per token type ``t`` and layer, the window keeps float64 sums about a per-type shift
+``r_t`` (the type's first occurrence in the window, in the reduction's work dtype)::
+
+    n_t,  S1_t = sum (x - r_t),  S2_t = sum ||x - r_t||^2,  unit sums
+
+so a batch is folded in by one ``index_add_`` per array of its per-type sums (the
+reduction computes them about the same shifts: :func:`embgeom.compute.reduce.reduce_batch`
+with ``tokens=`` this window), and the moments are rebuilt once per type at export::
+
+    mean_t = r_t + S1_t / n_t,   m2_t = S2_t - ||S1_t||^2 / n_t
+
+The shifted-data algorithm again: ``r_t`` is one draw of the type's own distribution, so
+``||mean_t - r_t||^2`` is of the order of its variance ``V_t`` and the subtraction costs a
+factor ``1 + ||mean_t - r_t||^2 / V_t`` of relative precision, however large the type's
+mean (M >> V at a first position or in a massive-activation dimension). Identical
+occurrences give ``S1 = S2 = 0``: mean ``r_t`` and ``m2 = 0`` exactly.
+
+Per layer, the window keeps float64 sums about a fixed shift ``s`` (its first
 batch's mean)::
 
     n,  S1 = sum (x - s),  A = sum (x - s)(x - s)^T,  unit sums
@@ -28,7 +44,8 @@ from typing import Optional
 import numpy as np
 import torch
 
-from embgeom.stats import LayerMoments, TokenMoments, chan_merge
+from embgeom.compute.reduce import Workspace
+from embgeom.stats import LayerMoments, TokenMoments
 
 __all__ = ["LayerSums", "WindowAccumulator"]
 
@@ -101,13 +118,16 @@ class WindowAccumulator:
         needs (the window is checkpointed once past its byte budget, so doubling past it
         would allocate memory it never uses).
     cross_layer : also keep the cross-layer co-moment (see :class:`LayerSums`).
+    shift_dtype : dtype of the per-type shifts ``r_t``: the reduction's work dtype
+        (float32 by default), so the values it subtracts are the ones kept.
     """
 
     def __init__(self, num_layers: int, dim: int, self_similarity: bool, device="cpu",
                  capacity: int = 1024, max_capacity: Optional[int] = None,
-                 cross_layer: bool = False):
+                 cross_layer: bool = False, shift_dtype: torch.dtype = torch.float32):
         self.num_layers, self.dim, self.device = num_layers, dim, torch.device(device)
         self.self_similarity = self_similarity
+        self.shift_dtype = shift_dtype
         self.max_capacity = max_capacity
         self.size = 0
         self.tokens = 0  # embeddings per layer
@@ -115,30 +135,35 @@ class WindowAccumulator:
         self._sorted_keys = torch.zeros(0, dtype=torch.long, device=self.device)
         self._sorted_rows = torch.zeros(0, dtype=torch.long, device=self.device)
         self.layers = LayerSums(num_layers, dim, self.device, cross_layer)
+        self.workspace = Workspace()  # the reduction's buffers, reused batch to batch
 
     def _alloc(self, capacity: int) -> None:
         L, d, dev = self.num_layers, self.dim, self.device
         old = getattr(self, "_keys", None)
         keys = torch.zeros(capacity, dtype=torch.long, device=dev)
         n = torch.zeros(capacity, dtype=F64, device=dev)
-        mean = torch.zeros((capacity, L, d), dtype=F64, device=dev)
-        m2 = torch.zeros((capacity, L), dtype=F64, device=dev)
+        shift = torch.zeros((capacity, L, d), dtype=self.shift_dtype, device=dev)
+        s1 = torch.zeros((capacity, L, d), dtype=F64, device=dev)
+        s2 = torch.zeros((capacity, L), dtype=F64, device=dev)
         unit = torch.zeros((capacity, L, d), dtype=F64, device=dev) if self.self_similarity else None
         if old is not None:
             s = self.size
-            keys[:s], n[:s], mean[:s], m2[:s] = self._keys[:s], self._n[:s], self._mean[:s], self._m2[:s]
+            keys[:s], n[:s], shift[:s] = self._keys[:s], self._n[:s], self.shift[:s]
+            s1[:s], s2[:s] = self._s1[:s], self._s2[:s]
             if unit is not None:
                 unit[:s] = self._unit[:s]
-        self._keys, self._n, self._mean, self._m2, self._unit = keys, n, mean, m2, unit
+        self._keys, self._n, self.shift, self._s1, self._s2, self._unit = keys, n, shift, s1, s2, unit
 
     def __len__(self) -> int:
         return self.size
 
     @staticmethod
-    def row_bytes(num_layers: int, dim: int, self_similarity: bool) -> int:
-        """Bytes of one token's state: key and count, then per layer M2, mean (d) and,
-        with self-similarity, the unit-vector sum (d); all 8 bytes."""
-        return 8 * (2 + num_layers * (1 + dim * (2 if self_similarity else 1)))
+    def row_bytes(num_layers: int, dim: int, self_similarity: bool, shift_bytes: int = 4) -> int:
+        """Bytes of one token's state: key and count (8 bytes each), then per layer S2 (8),
+        S1 (8 d), the shift (``shift_bytes`` d) and, with self-similarity, the unit-vector
+        sum (8 d)."""
+        per_layer = 8 + dim * (shift_bytes + (16 if self_similarity else 8))
+        return 16 + num_layers * per_layer
 
     @classmethod
     def rows_within(cls, num_layers: int, dim: int, self_similarity: bool, nbytes: int) -> int:
@@ -152,11 +177,13 @@ class WindowAccumulator:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of per-token state in use (what a checkpoint will carry)."""
-        return self.size * self.row_bytes(self.num_layers, self.dim, self.self_similarity)
+        """Bytes of per-token state in use."""
+        return self.size * self.row_bytes(self.num_layers, self.dim, self.self_similarity,
+                                          self.shift.element_size())
 
-    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows of ``ids`` (sorted, unique), appending the ones never seen."""
+    def rows(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows of ``ids`` (sorted, unique, on this device), appending the ones never seen,
+        and the mask of those new rows (their shifts are still to be set)."""
         pos = torch.searchsorted(self._sorted_keys, ids)
         found = torch.zeros_like(ids, dtype=torch.bool)
         if self.size:
@@ -176,7 +203,7 @@ class WindowAccumulator:
             keys = self._keys[:self.size]
             self._sorted_keys, order = torch.sort(keys)
             self._sorted_rows = order
-        return rows
+        return rows, fresh
 
     def _grown(self) -> int:
         """The next capacity: doubled, but not past ``max_capacity``; once there (a job
@@ -187,32 +214,53 @@ class WindowAccumulator:
         return top if cap < top else cap + cap // 4
 
     @torch.inference_mode()
-    def add(self, tokens: TokenMoments, layers: LayerMoments) -> None:
-        """Merge one batch (its tensors on this device, ids sorted and unique)."""
-        if len(tokens) == 0:
-            return
-        rows = self._rows(tokens.ids.to(self.device))
-        # Gathered rows are merged in place, then scattered back. Counts are per token, the
-        # same at every layer: (k, 1) broadcasts over layers.
-        mean, m2 = self._mean.index_select(0, rows), self._m2.index_select(0, rows)
-        n, _, _, _ = chan_merge(self._n.index_select(0, rows)[:, None], mean, m2,
-                                tokens.n[:, None], tokens.mean, tokens.m2, inplace=True)
-        self._n.index_copy_(0, rows, n[:, 0])
-        self._mean.index_copy_(0, rows, mean)
-        self._m2.index_copy_(0, rows, m2)
+    def add_sums(self, rows: torch.Tensor, n: torch.Tensor, s1: torch.Tensor, s2: torch.Tensor,
+                 unit_sum: Optional[torch.Tensor]) -> None:
+        """Fold a batch's per-type sums about the rows' shifts into the window: one
+        ``index_add_`` per array. ``rows`` (k,) from :meth:`rows`; ``n`` (k,), ``s1``
+        (k, L, d), ``s2`` (k, L), ``unit_sum`` (k, L, d) or None, float64 on this device."""
+        self._n.index_add_(0, rows, n)
+        self._s1.index_add_(0, rows, s1)
+        self._s2.index_add_(0, rows, s2)
         if self._unit is not None:
-            self._unit.index_add_(0, rows, tokens.unit_sum)
+            self._unit.index_add_(0, rows, unit_sum)
+
+    @torch.inference_mode()
+    def add(self, tokens: Optional[TokenMoments], layers: LayerMoments) -> None:
+        """Fold in one batch: its layer moments, and its token moments (their tensors on
+        this device, ids sorted and unique), or None when the reduction already added them
+        (:func:`~embgeom.compute.reduce.reduce_batch` with ``tokens=`` this window).
+
+        A batch's ``(n_b, mean_b, m2_b)`` of a type becomes sums about the type's shift
+        (the batch's own mean, in the shift dtype, when the type is new)::
+
+            S1 += n_b (mean_b - r_t),   S2 += m2_b + n_b ||mean_b - r_t||^2
+        """
+        if tokens is not None and len(tokens):
+            rows, fresh = self.rows(tokens.ids.to(self.device))
+            if bool(fresh.any()):
+                self.shift.index_copy_(0, rows[fresh], tokens.mean[fresh].to(self.shift_dtype))
+            delta = tokens.mean - self.shift.index_select(0, rows).to(F64)      # (k, L, d)
+            n = tokens.n.to(F64)
+            s2 = tokens.m2 + n[:, None] * (delta * delta).sum(dim=2)
+            self.add_sums(rows, n, delta.mul_(n[:, None, None]), s2, tokens.unit_sum)
         self.layers.add(layers)
         self.tokens += int(layers.n)
 
     def export(self) -> tuple[TokenMoments, LayerMoments]:
-        """The window as float64 numpy arrays on the host, tokens sorted by key."""
+        """The window as float64 numpy arrays on the host, tokens sorted by key: each type's
+        moments rebuilt from its sums (module docstring), once per type."""
         s = self.size
         order = torch.argsort(self._keys[:s])
+        n = self._n[:s][order]
+        s1, s2 = self._s1[:s][order], self._s2[:s][order]
+        mean = self.shift[:s][order].to(F64).add_(s1 / n[:, None, None])
+        m2 = (s2 - (s1 * s1).sum(dim=2) / n[:, None]).clamp_(min=0.0)
 
         def host(t):
-            return None if t is None else t[:s][order].cpu().numpy()
+            return None if t is None else t.cpu().numpy()
 
-        tokens = TokenMoments(ids=host(self._keys), n=host(self._n).astype(np.int64),
-                              mean=host(self._mean), m2=host(self._m2), unit_sum=host(self._unit))
+        unit = None if self._unit is None else self._unit[:s][order]
+        tokens = TokenMoments(ids=host(self._keys[:s][order]), n=host(n).astype(np.int64),
+                              mean=host(mean), m2=host(m2), unit_sum=host(unit))
         return tokens, self.layers.moments()
