@@ -29,10 +29,10 @@ from embgeom.lifetime import spawn
 from embgeom.settings import Settings
 from embgeom.store.collections import Collections
 from embgeom.store.connection import async_redis_client, redis_client
+from embgeom.store.heartbeats import live_workers
 from embgeom.store.jobs import JobQueue
 from embgeom.store.reader import Reader, run_async, run_sync
 from embgeom.store.server import RedisServer
-from embgeom.worker import live_workers
 from service.limits import SyncRuns
 from service.sync_models import SyncModels
 

@@ -43,7 +43,8 @@ from embgeom.compute.models import ModelPool, ModelRegistry
 from embgeom.store.jobs import JobQueue, JobRequest
 from embgeom.sources import minilm_path
 from embgeom.store.server import RedisServer, free_port
-from embgeom.worker import Worker, live_workers, redis_client
+from embgeom.store.heartbeats import live_workers
+from embgeom.worker import Worker, redis_client
 from service.app import create_app
 from tests import reference as R
 from tests.conftest import ServiceProcess, WorkerThread, wait_for_jobs, wait_ready
