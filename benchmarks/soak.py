@@ -459,7 +459,7 @@ class Soak:
         for w in self.workers:
             w.start()
         self.wait_api()
-        from embgeom.compute.models import ModelRegistry
+        from embgeom.compute.catalogue import ModelRegistry
         from embgeom.settings import ModelSource, Settings
 
         self.settings = Settings(models={k: ModelSource(**v) for k, v in models_env.items()},

@@ -36,7 +36,8 @@ from typing import Callable, Optional
 import redis
 
 from embgeom.compute.engine import CountingRule, Engine
-from embgeom.compute.models import ModelPool, ModelRegistry
+from embgeom.compute.catalogue import ModelRegistry
+from embgeom.compute.models import ModelPool
 from embgeom.compute.window import WindowAccumulator
 from embgeom.errors import EmbgeomError, JobFenced, StoreUnavailable
 from embgeom import heap

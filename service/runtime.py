@@ -23,7 +23,8 @@ from typing import Optional
 import redis
 from starlette.concurrency import run_in_threadpool
 
-from embgeom.compute.models import ModelInfo, ModelPool, ModelRegistry
+from embgeom.compute.catalogue import ModelInfo, ModelRegistry
+from embgeom.compute.models import ModelPool
 from embgeom.heap import HeapTrimmer, limit_arenas
 from embgeom.lifetime import spawn
 from embgeom.settings import Settings
@@ -133,7 +134,7 @@ class Runtime:
         # within store_timeout_seconds is a 503 there too, as on the async reads.
         client = redis_client(url, socket_timeout=settings.store_timeout_seconds)
         # A model's files are read in a child: transformers holds the GIL while it reads a
-        # tokenizer, which stalled every request on the event loop (embgeom.compute.model_files).
+        # tokenizer, which stalled every request on the event loop (embgeom.compute.catalogue).
         registry = ModelRegistry.from_settings(settings, files_in_child=True)
         rt = cls(
             settings=settings, redis=client, aredis=async_redis_client(url), registry=registry,

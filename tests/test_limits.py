@@ -440,7 +440,7 @@ def test_a_first_read_of_a_model_does_not_stall_other_requests(tmp_path_factory,
     reads them: seconds). On the event loop, that wait stalled every request meanwhile,
     /healthz included; on the thread pool, /healthz answers while the page waits. The read
     is made 1.5 s longer here, so the difference cannot hide in the noise."""
-    from embgeom.compute import model_files
+    from embgeom.compute import catalogue
     from tests.conftest import app_with_worker, wait_for_jobs
 
     with app_with_worker(tmp_path_factory) as c:
@@ -451,14 +451,14 @@ def test_a_first_read_of_a_model_does_not_stall_other_requests(tmp_path_factory,
         registry._tokenizers.clear()
         registry._infos.clear()  # the model's configuration: read on the first read too
         reads = []
-        read = model_files.read_in_child
+        read = catalogue.read_in_child
 
         def slow_read(sources, *args, **kwargs):
             reads.append(sorted(sources))
             time.sleep(1.5)
             return read(sources, *args, **kwargs)
 
-        monkeypatch.setattr(model_files, "read_in_child", slow_read)
+        monkeypatch.setattr(catalogue, "read_in_child", slow_read)
         page: dict = {}
 
         def read_page():

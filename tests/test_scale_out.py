@@ -39,7 +39,8 @@ from fastapi.testclient import TestClient
 
 from embgeom.store import keys as K
 from embgeom.corpora import bbc_texts
-from embgeom.compute.models import ModelPool, ModelRegistry
+from embgeom.compute.catalogue import ModelRegistry
+from embgeom.compute.models import ModelPool
 from embgeom.store.jobs import JobQueue, JobRequest
 from embgeom.sources import minilm_path
 from embgeom.store.server import RedisServer, free_port
