@@ -18,13 +18,12 @@ import subprocess
 import sys
 import threading
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import redis
 from starlette.concurrency import run_in_threadpool
 
 from embgeom.compute.catalogue import ModelInfo, ModelRegistry
-from embgeom.compute.models import ModelPool
 from embgeom.heap import HeapTrimmer, limit_arenas
 from embgeom.lifetime import spawn
 from embgeom.settings import Settings
@@ -36,6 +35,9 @@ from embgeom.store.reader import Reader, run_async, run_sync
 from embgeom.store.server import RedisServer
 from service.limits import SyncRuns
 from service.sync_models import SyncModels
+
+if TYPE_CHECKING:  # the pool is torch's: imported on the first synchronous model run
+    from embgeom.compute.models import ModelPool
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +100,8 @@ class Runtime:
         """Models for synchronous requests (probe, isotropy sample, geometry), one pool
         per process, made on first use."""
         if self._sync_pool is None:
+            from embgeom.compute.models import ModelPool  # torch, only once a model runs here
+
             with self._sync_lock:
                 if self._sync_pool is None:
                     self._sync_pool = ModelPool.from_settings(self.registry, self.settings)
