@@ -464,7 +464,7 @@ class Bench:
 
     def build_gpt2_random(self, folder: Path) -> None:
         """The random GPT-2 with SmolLM2's tokenizer (MiniLM's where SmolLM2 is missing)."""
-        from embgeom.compute.models import ModelRegistry
+        from embgeom.compute.catalogue import ModelRegistry
         from embgeom.settings import Settings
         from embgeom.sources import minilm_path
 
@@ -694,7 +694,8 @@ class Bench:
 
     def models(self) -> None:
         """Step 1: each model x dtype (:meth:`measure`)."""
-        from embgeom.compute.models import ModelPool, ModelRegistry
+        from embgeom.compute.catalogue import ModelRegistry
+        from embgeom.compute.models import ModelPool
         from embgeom.settings import Settings
 
         args, data = self.args, self.res.data

@@ -60,7 +60,7 @@ def record_bbc(texts_per_job: int = 250, limit: Optional[int] = None) -> Recordi
     (:func:`embgeom.compute.engine.padded_batches` at the model's window length and the
     service's token budget, as a worker prepares a job of a default collection)."""
     from embgeom.compute.engine import CountingRule, padded_batches
-    from embgeom.compute.models import ModelRegistry
+    from embgeom.compute.catalogue import ModelRegistry
     from embgeom.corpora import bbc_texts
     from embgeom.settings import Settings
 
@@ -161,7 +161,7 @@ def replay_worker(redis_url: str, shape: str, model: str = "minilm", worker_id: 
     """A real :class:`embgeom.worker.Worker` whose engine replays ``shape``; ``prebuild``
     draws the engine's pool now rather than at the first job (a timed run then starts
     with the process ready)."""
-    from embgeom.compute.models import ModelRegistry
+    from embgeom.compute.catalogue import ModelRegistry
     from embgeom.store.connection import redis_client
     from embgeom.worker import Worker
 

@@ -445,7 +445,8 @@ def bench_e2e(repeat: int, quick: bool, large: bool = True, large_texts: Optiona
     ``large``, ``e2e_cpu_20k`` (20,000 BBC sentences in jobs of 250, once each way), both
     through one embedded ``embgeom serve`` whose worker runs at the bare forward's
     priority. Quick: 400 and ``large_texts`` (default 1,600) sentences."""
-    from embgeom.compute.models import ModelPool, ModelRegistry
+    from embgeom.compute.catalogue import ModelRegistry
+    from embgeom.compute.models import ModelPool
     from embgeom.settings import Settings
 
     settings = Settings()

@@ -459,7 +459,7 @@ class Soak:
         for w in self.workers:
             w.start()
         self.wait_api()
-        from embgeom.compute.models import ModelRegistry
+        from embgeom.compute.catalogue import ModelRegistry
         from embgeom.settings import ModelSource, Settings
 
         self.settings = Settings(models={k: ModelSource(**v) for k, v in models_env.items()},
@@ -648,7 +648,7 @@ class Soak:
         heartbeats sent after ``after`` count (a restarted worker's predecessor is heard
         of for a few seconds under the same id)."""
         from embgeom.store.connection import redis_client
-        from embgeom.worker import live_workers
+        from embgeom.store.heartbeats import live_workers
 
         want = min(len(self.models), self.settings.max_loaded_models)
         client = redis_client(self.redis.url, socket_timeout=5)
@@ -878,7 +878,7 @@ class Soak:
         """role -> (the models each worker's last heartbeat says it holds, whether it was at
         rest: no job, no window, nothing applying, what it has done: jobs, checkpoints and
         seconds of work so far, its C heap) ({} without Redis)."""
-        from embgeom.worker import live_workers
+        from embgeom.store.heartbeats import live_workers
 
         if client is None:
             return {}

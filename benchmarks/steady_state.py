@@ -119,7 +119,7 @@ def load_recording(path) -> Recording:
 
 def recording_window() -> int:
     """The window :func:`benchmarks.replay.record_bbc` cuts at: MiniLM's maximum."""
-    from embgeom.compute.models import ModelRegistry
+    from embgeom.compute.catalogue import ModelRegistry
     from embgeom.settings import Settings
 
     return ModelRegistry.from_settings(Settings()).info(MODEL).max_length
@@ -271,7 +271,7 @@ class ReplayRegistry:
         return [self.model]
 
     def info(self, name):
-        from embgeom.compute.models import ModelInfo
+        from embgeom.compute.catalogue import ModelInfo
 
         return ModelInfo(name=name, source="replay", architecture="Replay",
                          num_layers=self.spec["layers"] - 1, hidden_size=self.spec["d"],

@@ -36,8 +36,9 @@ from typing import Callable, Optional
 import redis
 
 from embgeom.compute.engine import CountingRule, Engine
+from embgeom.compute.catalogue import ModelRegistry
+from embgeom.compute.models import ModelPool
 from embgeom.compute.reduce import PRECISIONS
-from embgeom.compute.models import ModelPool, ModelRegistry
 from embgeom.compute.window import WindowAccumulator
 from embgeom.errors import EmbgeomError, JobFenced, StoreUnavailable
 from embgeom import heap
@@ -48,13 +49,13 @@ from embgeom.store.checkpoints import Checkpointer, Held, new_checkpoint_id
 from embgeom.store.collections import Collections
 from embgeom.store.conf import PairConf
 from embgeom.store.connection import redis_client
+from embgeom.store.heartbeats import publish_heartbeat
 from embgeom.store.jobs import Delivery, JobQueue
-from embgeom.store.reader import Reader, run_sync
 from embgeom.store.shards import piece_tokens_for
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Worker", "redis_client", "new_worker_id", "publish_heartbeat", "live_workers"]
+__all__ = ["Worker", "redis_client", "new_worker_id"]
 
 
 class HandBack(Exception):
@@ -792,20 +793,3 @@ class Worker:
                 log.debug("heartbeat failed: %s", exc)
             if self._beat_stop.wait(period):
                 return
-
-
-def publish_heartbeat(client: redis.Redis, worker_id: str, details: dict,
-                      silence_seconds: float, details_ttl: int) -> None:
-    """One heartbeat: the worker's score in ``eg:workers`` and its details (expiring);
-    ids silent for ten silence windows (SIGKILLed workers) leave the set."""
-    with client.pipeline(transaction=False) as p:
-        now = time.time()
-        p.zadd(K.WORKERS, {worker_id: now})
-        p.zremrangebyscore(K.WORKERS, "-inf", now - 10 * silence_seconds)
-        p.set(K.worker(worker_id), json.dumps(details), ex=details_ttl)
-        p.execute()
-
-
-def live_workers(client: redis.Redis, silence_seconds: float) -> list[dict]:
-    """Workers whose heartbeat is younger than ``silence_seconds``."""
-    return run_sync(client, Reader().live_workers(silence_seconds))

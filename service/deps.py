@@ -13,7 +13,7 @@ from typing import Annotated, Callable, TypeVar
 
 from fastapi import Depends, Path, Request
 
-from embgeom.compute.models import ModelInfo
+from embgeom.compute.catalogue import ModelInfo
 from embgeom.errors import InvalidInput, NotFound
 from embgeom.store import keys as K
 from embgeom.store.keys import PairKeys

@@ -18,23 +18,26 @@ import subprocess
 import sys
 import threading
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import redis
 from starlette.concurrency import run_in_threadpool
 
-from embgeom.compute.models import ModelInfo, ModelPool, ModelRegistry
+from embgeom.compute.catalogue import ModelInfo, ModelRegistry
 from embgeom.heap import HeapTrimmer, limit_arenas
 from embgeom.lifetime import spawn
 from embgeom.settings import Settings
 from embgeom.store.collections import Collections
 from embgeom.store.connection import async_redis_client, redis_client
+from embgeom.store.heartbeats import live_workers
 from embgeom.store.jobs import JobQueue
 from embgeom.store.reader import Reader, run_async, run_sync
 from embgeom.store.server import RedisServer
-from embgeom.worker import live_workers
 from service.limits import SyncRuns
 from service.sync_models import SyncModels
+
+if TYPE_CHECKING:  # the pool is torch's: imported on the first synchronous model run
+    from embgeom.compute.models import ModelPool
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +100,8 @@ class Runtime:
         """Models for synchronous requests (probe, isotropy sample, geometry), one pool
         per process, made on first use."""
         if self._sync_pool is None:
+            from embgeom.compute.models import ModelPool  # torch, only once a model runs here
+
             with self._sync_lock:
                 if self._sync_pool is None:
                     self._sync_pool = ModelPool.from_settings(self.registry, self.settings)
@@ -133,7 +138,7 @@ class Runtime:
         # within store_timeout_seconds is a 503 there too, as on the async reads.
         client = redis_client(url, socket_timeout=settings.store_timeout_seconds)
         # A model's files are read in a child: transformers holds the GIL while it reads a
-        # tokenizer, which stalled every request on the event loop (embgeom.compute.model_files).
+        # tokenizer, which stalled every request on the event loop (embgeom.compute.catalogue).
         registry = ModelRegistry.from_settings(settings, files_in_child=True)
         rt = cls(
             settings=settings, redis=client, aredis=async_redis_client(url), registry=registry,

@@ -15,7 +15,8 @@ import pytest
 
 from benchmarks import run
 from embgeom.compute.engine import CountingRule, Engine
-from embgeom.compute.models import ModelPool, ModelRegistry
+from embgeom.compute.catalogue import ModelRegistry
+from embgeom.compute.models import ModelPool
 from embgeom.corpora import bbc_texts
 from embgeom.settings import Settings
 from benchmarks.replay import record_bbc
@@ -140,7 +141,8 @@ def test_gpt2_random_is_seeded_and_loads_as_an_alias(tmp_path):
     import torch
 
     from benchmarks.gpu import build_gpt2_random
-    from embgeom.compute.models import ModelPool, ModelRegistry
+    from embgeom.compute.catalogue import ModelRegistry
+    from embgeom.compute.models import ModelPool
     from embgeom.settings import ModelSource
     from embgeom.sources import minilm_path
 

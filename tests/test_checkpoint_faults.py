@@ -56,7 +56,7 @@ def reference(registry):
 
 @pytest.fixture(scope="module")
 def registry():
-    from embgeom.compute.models import ModelRegistry
+    from embgeom.compute.catalogue import ModelRegistry
     from tests.test_scale_out import api_settings
 
     return ModelRegistry.from_settings(api_settings("redis://unused"))

@@ -25,7 +25,7 @@ import redis
 from redis.cluster import RedisCluster
 
 from embgeom.store import keys as K
-from embgeom.compute.models import ModelRegistry
+from embgeom.compute.catalogue import ModelRegistry
 from embgeom.store.jobs import JobQueue
 from embgeom.store.server import RedisServer, redis_server_binary
 from tests.conftest import wait_for_jobs

@@ -20,7 +20,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from embgeom import exports, reports
-from embgeom.compute.models import ModelRegistry
+from embgeom.compute.catalogue import ModelRegistry
 from embgeom.corpora import bbc_texts
 from embgeom.store.keys import PairKeys
 from embgeom.store.reader import Reader, run_sync

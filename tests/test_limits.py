@@ -149,9 +149,9 @@ def held_run(client, monkeypatch):
     stub = _Stub()
     rt = client.app.state.runtime
     monkeypatch.setattr(rt, "_sync_models", stub)
-    from service.routes import diagnostics
+    from embgeom import probes
 
-    monkeypatch.setattr(diagnostics.probes, "sample_isotropy",
+    monkeypatch.setattr(probes, "sample_isotropy",
                         lambda *a, **k: {"layer": 2, "n_points": 1, "zeta": 0.2, "reference": "identity",
                                          "isoscore": 0.5, "isoscore_star": 0.5})
     result = {}
@@ -187,7 +187,7 @@ def test_model_runs_beyond_the_limit_are_429_at_once(client, monkeypatch):
 
 
 def test_a_failed_run_frees_its_slot(client, monkeypatch):
-    from service.routes import diagnostics
+    from embgeom import probes
 
     def fail(*a, **k):
         raise RuntimeError("model exploded")
@@ -197,7 +197,7 @@ def test_a_failed_run_frees_its_slot(client, monkeypatch):
             return None
 
     monkeypatch.setattr(client.app.state.runtime, "_sync_models", Pool())
-    monkeypatch.setattr(diagnostics.probes, "sample_isotropy", fail)
+    monkeypatch.setattr(probes, "sample_isotropy", fail)
     for _ in range(3):  # max_sync_runs=1: a leaked slot would make the second a 429
         r = client.post(SAMPLE, json={"texts": ["x"], "reference": "identity"})
         assert is_error(r, 500, "internal_error"), r.text
@@ -440,7 +440,7 @@ def test_a_first_read_of_a_model_does_not_stall_other_requests(tmp_path_factory,
     reads them: seconds). On the event loop, that wait stalled every request meanwhile,
     /healthz included; on the thread pool, /healthz answers while the page waits. The read
     is made 1.5 s longer here, so the difference cannot hide in the noise."""
-    from embgeom.compute import model_files
+    from embgeom.compute import catalogue
     from tests.conftest import app_with_worker, wait_for_jobs
 
     with app_with_worker(tmp_path_factory) as c:
@@ -451,14 +451,14 @@ def test_a_first_read_of_a_model_does_not_stall_other_requests(tmp_path_factory,
         registry._tokenizers.clear()
         registry._infos.clear()  # the model's configuration: read on the first read too
         reads = []
-        read = model_files.read_in_child
+        read = catalogue.read_in_child
 
         def slow_read(sources, *args, **kwargs):
             reads.append(sorted(sources))
             time.sleep(1.5)
             return read(sources, *args, **kwargs)
 
-        monkeypatch.setattr(model_files, "read_in_child", slow_read)
+        monkeypatch.setattr(catalogue, "read_in_child", slow_read)
         page: dict = {}
 
         def read_page():

@@ -128,7 +128,7 @@ def test_readers_and_ingestion_through_a_redis_restart(tmp_path):
 
             # Nothing acknowledged lost or counted twice.
             tokenizer_counts: Counter = Counter()
-            from embgeom.compute.models import ModelRegistry
+            from embgeom.compute.catalogue import ModelRegistry
             from tests.test_scale_out import api_settings
 
             tokenizer = ModelRegistry.from_settings(api_settings("redis://unused")).tokenizer(MODEL)

@@ -1,5 +1,5 @@
 """A model's folder, configuration and tokenizer read by a child process (the API's
-registry, :mod:`embgeom.compute.model_files`): the same answer as a read in this process,
+registry, :mod:`embgeom.compute.catalogue`): the same answer as a read in this process,
 one child for concurrent first callers and for a listing of every model, and failures, hangs
 and unknown names as clear errors with no child left behind."""
 
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from embgeom.compute import model_files
-from embgeom.compute.models import ModelRegistry
+from embgeom.compute import catalogue
+from embgeom.compute.catalogue import ModelRegistry
 from embgeom.errors import ModelLoadError, UnknownModel
 from embgeom.settings import ModelSource
 from tests.conftest import test_settings
@@ -37,7 +37,7 @@ def reader_children() -> list[int]:
             state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
         except (OSError, IndexError):
             continue
-        if b"embgeom.compute.model_files" in cmd and state != "Z":
+        if b"embgeom.compute.catalogue" in cmd and state != "Z":
             out.append(int(proc.name))
     return out
 
@@ -56,13 +56,13 @@ def test_a_child_reads_what_this_process_reads():
 
 def test_concurrent_first_reads_start_one_child(monkeypatch):
     calls = []
-    real = model_files.read_in_child
+    real = catalogue.read_in_child
 
     def counted(sources, *args, **kwargs):
         calls.append(sorted(sources))
         return real(sources, *args, **kwargs)
 
-    monkeypatch.setattr(model_files, "read_in_child", counted)
+    monkeypatch.setattr(catalogue, "read_in_child", counted)
     registry = in_child()
     calls_of = (registry.info, registry.tokenizer, registry.path, registry.info)
     got: dict = {}
@@ -79,8 +79,8 @@ def test_concurrent_first_reads_start_one_child(monkeypatch):
 
 def test_a_listing_reads_every_model_in_one_child(monkeypatch, tmp_path):
     calls = []
-    real = model_files.read_in_child
-    monkeypatch.setattr(model_files, "read_in_child",
+    real = catalogue.read_in_child
+    monkeypatch.setattr(catalogue, "read_in_child",
                         lambda sources, *a, **k: calls.append(sorted(sources)) or real(sources, *a, **k))
     registry = in_child(minilm=ModelSource(source="package:minilm"),
                         gone=ModelSource(source=str(tmp_path / "missing")))
@@ -124,7 +124,7 @@ def test_a_child_past_its_time_is_stopped():
     before = set(reader_children())
     t0 = time.monotonic()
     settings = test_settings("redis://unused")
-    got = model_files.read_in_child({"minilm": source}, settings.cache_dir, None,
+    got = catalogue.read_in_child({"minilm": source}, settings.cache_dir, None,
                                     settings.helper_environment(), timeout=0.5)
     assert time.monotonic() - t0 < 10
     assert isinstance(got["minilm"], ModelLoadError) and "took over 0.5 s" in got["minilm"].message

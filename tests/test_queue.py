@@ -68,7 +68,7 @@ def test_idle_polls_touch_only_notified_pairs_and_rescans_retire_empty_streams(r
 
 
 def test_heartbeat_prunes_workers_silent_for_ten_silence_windows(redis_server):
-    from embgeom.worker import live_workers, publish_heartbeat
+    from embgeom.store.heartbeats import live_workers, publish_heartbeat
 
     r = redis_client(redis_server.url)
     now = time.time()

@@ -39,11 +39,13 @@ from fastapi.testclient import TestClient
 
 from embgeom.store import keys as K
 from embgeom.corpora import bbc_texts
-from embgeom.compute.models import ModelPool, ModelRegistry
+from embgeom.compute.catalogue import ModelRegistry
+from embgeom.compute.models import ModelPool
 from embgeom.store.jobs import JobQueue, JobRequest
 from embgeom.sources import minilm_path
 from embgeom.store.server import RedisServer, free_port
-from embgeom.worker import Worker, live_workers, redis_client
+from embgeom.store.heartbeats import live_workers
+from embgeom.worker import Worker, redis_client
 from service.app import create_app
 from tests import reference as R
 from tests.conftest import ServiceProcess, WorkerThread, wait_for_jobs, wait_ready

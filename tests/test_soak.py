@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks import soak
-from embgeom.compute.models import ModelRegistry
+from embgeom.compute.catalogue import ModelRegistry
 from embgeom.compute.positions import encode
 from embgeom.corpora import bbc_texts
 from embgeom.settings import Settings

@@ -4,7 +4,7 @@ from typing import Annotated, Literal, Optional
 
 from fastapi import APIRouter, Query
 
-from embgeom import probes, reports
+from embgeom import reports
 from embgeom.store.reader import run_sync
 from embgeom.errors import NotFound
 from service.deps import LayerDep, ModelDep, PairDep, RuntimeDep
@@ -74,6 +74,8 @@ async def isotropy_sample(pair: PairDep, layer: LayerDep, body: SampleRequest, r
     check_sync_texts(rt.settings, body.texts)
 
     def run():
+        from embgeom import probes  # torch: imported where the model runs, on the thread pool
+
         reference = None
         if body.reference == "collection":
             reference = run_sync(rt.redis, reports.covariance(rt.reader, pair, layer))
@@ -100,6 +102,8 @@ async def outlier_probe(body: ProbeRequest, rt: RuntimeDep) -> dict:
                        layer=body.layer, num_layers=info.num_layers)
 
     def run():
+        from embgeom import probes  # torch: imported where the model runs, on the thread pool
+
         loaded = rt.sync_models.get(body.model)
         result = probes.outlier_dimension_probe(
             loaded, body.texts, body.labels, body.layer, body.pooling, body.test_fraction,
