@@ -4,7 +4,7 @@
     SingleFlight().do(key, make)                                   -> make()'s result
 
 Why: a cold report page of 3,300 token types took 1.4 s of Redis reads and numpy and
-3 s of matplotlib (cProfile, docs/figures_report.md), nearly all of it Python holding
+3 s of matplotlib (cProfile; docs/figures_report.md), nearly all of it Python holding
 the GIL; drawn on the API's thread pool it stalled every request of the process, token
 reads and ``/healthz`` included, and concurrent requests for the same page each drew it.
 
