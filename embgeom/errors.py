@@ -25,6 +25,18 @@ class EmbgeomError(Exception):
         self.message = message
         self.detail = detail
 
+    def __reduce__(self):
+        # Subclasses take other arguments than ``args`` holds: rebuilt from their state, an
+        # error raised in a child process (figures are drawn in one) keeps its type and detail.
+        return (_restore, (self.__class__, self.message, self.__dict__))
+
+
+def _restore(cls, message: str, state: dict) -> EmbgeomError:
+    error = cls.__new__(cls)
+    Exception.__init__(error, message)
+    error.__dict__.update(state)
+    return error
+
 
 class InvalidInput(EmbgeomError):
     type = "invalid_input"

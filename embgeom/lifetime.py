@@ -29,7 +29,8 @@ import time
 from concurrent.futures import Future
 from typing import Optional
 
-__all__ = ["Child", "spawn", "parent_death_signal_available", "watch"]
+__all__ = ["Child", "spawn", "parent_death_signal_available", "watch", "in_spawner_thread",
+           "die_with_parent"]
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
@@ -90,6 +91,10 @@ class _Spawner:
         self._lock = threading.Lock()
 
     def popen(self, cls, args, kwargs) -> subprocess.Popen:
+        return self.call(cls, args, **kwargs)
+
+    def call(self, fn, *args, **kwargs):
+        """``fn(*args, **kwargs)`` run on the spawner thread; its result or exception."""
         with self._lock:
             # is_alive() is False in a forked copy of this process: it gets its own thread.
             if self._thread is None or not self._thread.is_alive():
@@ -97,14 +102,14 @@ class _Spawner:
                                                 daemon=True)
                 self._thread.start()
         done: Future = Future()
-        self._requests.put((cls, args, kwargs, done))
+        self._requests.put((fn, args, kwargs, done))
         return done.result()
 
     def _loop(self) -> None:
         while True:
-            cls, args, kwargs, done = self._requests.get()
+            fn, args, kwargs, done = self._requests.get()
             try:
-                done.set_result(cls(args, **kwargs))
+                done.set_result(fn(*args, **kwargs))
             except BaseException as exc:  # handed to the caller's thread
                 done.set_exception(exc)
 
@@ -129,6 +134,29 @@ def spawn(args: list[str], *, death_signal: int = signal.SIGTERM, nice: Optional
             [sys.executable, "-m", "embgeom.lifetime", str(parent), str(child.pid), str(int(death_signal))],
             {"stdin": subprocess.DEVNULL, "start_new_session": True})
     return child
+
+
+def in_spawner_thread(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)``, run on the thread that forks every child of this module.
+
+    A process that ``fn`` starts (a process pool's child, started on its first submit) is
+    then signalled by :func:`die_with_parent` when this *process* dies, not when the
+    request or pool thread that happened to start it ends.
+    """
+    return _SPAWNER.call(fn, *args, **kwargs)
+
+
+def die_with_parent(parent: int, death_signal: int = signal.SIGKILL) -> None:
+    """Called in a child (a pool's initializer): get ``death_signal`` once ``parent`` dies.
+
+    ``prctl(PR_SET_PDEATHSIG)`` where available (the child must have been started by
+    :func:`in_spawner_thread`), else a daemon thread polling the parent id as :func:`watch`.
+    """
+    if parent_death_signal_available():
+        _in_child(parent, int(death_signal), None)
+        return
+    threading.Thread(target=watch, args=(parent, os.getpid(), int(death_signal)),
+                     name="embgeom-parent-watch", daemon=True).start()
 
 
 def watch(parent: int, child: int, death_signal: int, period: float = 0.2) -> int:

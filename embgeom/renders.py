@@ -1,16 +1,22 @@
 """Figures and the report page of a (collection, model) pair, each from one read.
 
     figure_params(name, fmt, layer, min_count, max_count, models, model) -> FigureParams
-    render_figure(cache, read, reader, collection, params)               -> Rendered
-    render_report(cache, read, reader, pair, count_filter, layer, ...)   -> Rendered
+    render_figure(renderer, read, reader, collection, params)            -> Rendered
+    render_report(renderer, read, reader, pair, count_filter, layer, ...) -> Rendered
 
 A figure is drawn from one *snapshot*: one plan (:mod:`embgeom.store.reader`) that reads
 the pair's state, then everything the figure needs (the per-layer rows, the per-token
 scalars, the covariances, the outlier dimensions) with the same functions the JSON
 endpoints use (:mod:`embgeom.reports`), so a figure shows exactly the numbers those
 endpoints answer. Drawing is :mod:`embgeom.figures`; the page is
-:func:`embgeom.report_page.build_report`. Both are CPU work: callers run these functions
-off the event loop (``read`` is a synchronous plan runner).
+:func:`embgeom.report_page.build_report`.
+
+Where the work runs: the snapshot, the drawing and the page are one *job*
+(:func:`figure_job`, :func:`report_job`) that the :class:`Renderer`'s pool runs in a
+child process (:mod:`embgeom.render_pool`): matplotlib never holds the API's GIL. The
+calling thread (a thread-pool route, never the event loop) only reads the pair's state,
+looks in the cache, waits, and stores; concurrent calls for the same entry share one
+job (single flight).
 
 Cache: rendered bytes are kept in a :class:`RenderCache` under
 ``(collection, ((model, generation, version), ...), what)``: ``what`` names the figure
@@ -35,11 +41,12 @@ from embgeom.report_page import ISOTROPY_COLUMNS, build_report
 from embgeom.stats import layer_summary
 from embgeom.store.conf import PairConf
 from embgeom.store.keys import PairKeys
+from embgeom.render_pool import RenderPool, SingleFlight
 from embgeom.store.reader import PairState, Plan, Reader
 
 __all__ = [
     "LAYER_FIGURES", "FILTERED_FIGURES", "MAX_OVERLAID_MODELS", "REPORT_ISOTROPY_COLUMNS",
-    "FigureParams", "Rendered", "RenderCache", "check_format", "figure_params", "default_layer",
+    "FigureParams", "Rendered", "RenderCache", "Renderer", "figure_job", "report_job", "check_format", "figure_params", "default_layer",
     "render_figure", "render_report", "report_figures", "report_links",
 ]
 
@@ -202,14 +209,18 @@ class RenderCache:
 
 # ------------------------------------------------------------------ reads
 
-def _fingerprints(reader: Reader, pairs: Sequence[PairKeys]) -> Plan:
-    """``((gen, version, applying), ...)`` of each pair (``collection_not_found`` /
-    ``model_not_in_collection`` when one holds nothing)."""
+def _states(reader: Reader, pairs: Sequence[PairKeys]) -> Plan:
+    """The state of each pair (``collection_not_found`` / ``model_not_in_collection`` when
+    one holds nothing)."""
     out = []
     for pair in pairs:
-        state = yield from reader.pair_state(pair)
-        out.append(_fingerprint(state))
-    return tuple(out)
+        out.append((yield from reader.pair_state(pair)))
+    return out
+
+
+def _fingerprints(reader: Reader, pairs: Sequence[PairKeys]) -> Plan:
+    """``((gen, version, applying), ...)`` of each pair."""
+    return tuple(_fingerprint(s) for s in (yield from _states(reader, pairs)))
 
 
 def _fingerprint(state: PairState) -> tuple[int, int, int]:
@@ -299,11 +310,10 @@ def _draw(name: str, fmt: str, snaps: Sequence[dict]) -> bytes:
     raise ValueError(f"no figure {name!r}")
 
 
-def _store(cache: RenderCache, read, reader: Reader, pairs: Sequence[PairKeys], snaps: Sequence[dict],
+def _store(cache: RenderCache, read, reader: Reader, pairs: Sequence[PairKeys], seen: tuple,
            entries: Sequence[tuple[tuple, tuple]]) -> None:
-    """Cache ``entries`` (what, value) when the snapshot was settled and still is; a
-    value's first item is the bytes it is sized by."""
-    seen = tuple(_fingerprint(s["state"]) for s in snaps)
+    """Cache ``entries`` (what, value) when the snapshot (its fingerprints ``seen``) was
+    settled and still is; a value's first item is the bytes it is sized by."""
     if not entries or not _settled(seen) or cache.max_bytes <= 0:
         return
     if read(_fingerprints(reader, pairs)) != seen:
@@ -313,19 +323,33 @@ def _store(cache: RenderCache, read, reader: Reader, pairs: Sequence[PairKeys], 
         cache.put(_key(collection, models, seen, what), value, len(value[0]))
 
 
-def render_figure(cache: RenderCache, read: Callable[[Plan], Any], reader: Reader, collection: str,
-                  params: FigureParams) -> Rendered:
-    """The figure ``params`` names, from the cache or from one snapshot of each pair."""
-    models = params.models or ()
-    if not models:
-        raise ValueError("FigureParams.models must name the pair(s) (figure_params does)")
-    pairs = [PairKeys(collection, m) for m in models]
-    what = params.what() + ((models,) if params.name == "layer_summary" else ())
-    before = read(_fingerprints(reader, pairs))
-    if _settled(before):
-        hit = cache.get(_key(collection, models, before, what))
-        if hit is not None:
-            return Rendered(hit[0], hit[1], params.layer, hit=True)
+class Renderer:
+    """The owner of rendered bytes: the cache (bounded in bytes), the pool that draws
+    (:class:`~embgeom.render_pool.RenderPool`) and the draws in flight, so concurrent
+    requests for one (pair, version, query) draw it once. One per API process."""
+
+    def __init__(self, cache: RenderCache, pool: RenderPool):
+        self.cache = cache
+        self.pool = pool
+        self.flights = SingleFlight()
+        self.drawn = 0  # draws run (pages and figures), hits and shared calls excluded
+
+    def once(self, key: tuple, draw: Callable[[], Rendered]) -> Rendered:
+        """``draw()``, run once for the concurrent calls with ``key``."""
+        def counted():
+            self.drawn += 1
+            return draw()
+        return self.flights.do(key, counted)
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+def figure_job(read: Callable[[Plan], Any], reader: Reader, collection: str,
+               params: FigureParams) -> tuple[bytes, dict, Optional[int], tuple]:
+    """Draw the figure ``params`` names from one snapshot of each pair: (bytes, as_of,
+    layer shown, fingerprints of the snapshot). Runs in a render process."""
+    pairs = [PairKeys(collection, m) for m in params.models]
 
     def plan():
         snaps = []
@@ -338,9 +362,32 @@ def render_figure(cache: RenderCache, read: Callable[[Plan], Any], reader: Reade
     if params.name == "cka":
         reports.require_cross_layer(pairs[0], snaps[0]["state"])
     content = _draw(params.name, params.fmt, snaps)
-    as_of = snaps[0]["state"].as_of()
-    _store(cache, read, reader, pairs, snaps, [(what, (content, as_of))])
-    return Rendered(content, as_of, snaps[0]["layer"])
+    seen = tuple(_fingerprint(s["state"]) for s in snaps)
+    return content, snaps[0]["state"].as_of(), snaps[0]["layer"], seen
+
+
+def render_figure(renderer: Renderer, read: Callable[[Plan], Any], reader: Reader, collection: str,
+                  params: FigureParams) -> Rendered:
+    """The figure ``params`` names: from the cache, or drawn by the renderer's pool (once
+    for concurrent identical requests) and cached."""
+    models = params.models or ()
+    if not models:
+        raise ValueError("FigureParams.models must name the pair(s) (figure_params does)")
+    pairs = [PairKeys(collection, m) for m in models]
+    what = params.what() + ((models,) if params.name == "layer_summary" else ())
+    before = read(_fingerprints(reader, pairs))
+    key = _key(collection, models, before, what)
+    if _settled(before):
+        hit = renderer.cache.get(key)
+        if hit is not None:
+            return Rendered(hit[0], hit[1], params.layer, hit=True)
+
+    def draw():
+        content, as_of, layer, seen = renderer.pool.run(figure_job, collection, params)
+        _store(renderer.cache, read, reader, pairs, seen, [(what, (content, as_of))])
+        return Rendered(content, as_of, layer)
+
+    return renderer.once(key, draw)
 
 
 # ------------------------------------------------------------------ report
@@ -384,42 +431,51 @@ def report_links(pair: PairKeys, layer: Optional[int], count_filter: reports.Cou
     return links
 
 
-def render_report(cache: RenderCache, read: Callable[[Plan], Any], reader: Reader, pair: PairKeys,
-                  count_filter: reports.CountFilter, layer: Optional[int] = None,
-                  fmt: str = "png") -> Rendered:
-    """The report page (UTF-8 HTML) of a pair: the per-layer table, the isotropy table,
-    every figure (``fmt``, as data URIs) and links to the JSON endpoints, all from one
-    snapshot. Figures drawn for it are cached as the figure endpoint's entries too."""
-    pairs = [pair]
-    f = count_filter
-    what = ("report", fmt, layer, f.min_count, f.max_count)
-    before = read(_fingerprints(reader, pairs))
-    if _settled(before):
-        hit = cache.get(_key(pair.collection, [pair.model], before, what))
-        if hit is not None:
-            return Rendered(hit[0], hit[1], hit[2], hit=True)
-
-    needs = set().union(*_NEEDS.values())
-    snap = read(_snapshot(reader, pair, needs, f, layer))
-    state: PairState = snap["state"]
-    shown = snap["layer"]
-    prints = (_fingerprint(state),)
-    entries = []
-    drawn = {}
+def _page_figures(state: PairState, fmt: str, shown: Optional[int],
+                  f: reports.CountFilter) -> list[tuple[str, tuple]]:
+    """(name, cache ``what``) of each figure of a pair's page, as the figure endpoint
+    keys the same image."""
+    out = []
     for name in report_figures(state.conf):
         params = FigureParams(name, fmt, shown if name in LAYER_FIGURES else None,
                               *((f.min_count, f.max_count) if name in FILTERED_FIGURES else (1, None)),
-                              models=(pair.model,))
-        fig_what = params.what() + (((pair.model,),) if name == "layer_summary" else ())
-        cached = cache.get(_key(pair.collection, [pair.model], prints, fig_what)) if _settled(prints) else None
-        if cached is not None:
-            drawn[name] = cached[0]
-            continue
-        if name in LAYER_FIGURES and shown is None:
+                              models=(state.pair.model,))
+        out.append((name, params.what() + (((state.pair.model,),) if name == "layer_summary" else ())))
+    return out
+
+
+def _shown_layer(state: PairState, layer: Optional[int]) -> Optional[int]:
+    """The layer of the page's per-layer figures (as :func:`_snapshot` picks it)."""
+    if layer is not None or state.empty:
+        return layer
+    return default_layer(state.conf.layers)
+
+
+def report_job(read: Callable[[Plan], Any], reader: Reader, pair: PairKeys,
+               count_filter: reports.CountFilter, layer: Optional[int], fmt: str,
+               known: tuple, cached: dict) -> tuple[bytes, dict, Optional[int], tuple, list]:
+    """Build a pair's page from one snapshot: (HTML bytes, as_of, layer shown,
+    fingerprints of the snapshot, cache entries of the page's figures drawn for it).
+
+    ``cached`` holds figures already drawn (name -> bytes) at the fingerprints ``known``:
+    used only when the snapshot is at those. Runs in a render process.
+    """
+    f = count_filter
+    snap = read(_snapshot(reader, pair, set().union(*_NEEDS.values()), f, layer))
+    state: PairState = snap["state"]
+    shown = snap["layer"]
+    seen = (_fingerprint(state),)
+    if seen != known:
+        cached = {}
+    entries, drawn = [], {}
+    for name, fig_what in _page_figures(state, fmt, shown, f):
+        if name in cached:
+            drawn[name] = cached[name]
+        elif name in LAYER_FIGURES and shown is None:
             drawn[name] = None  # an empty pair: no layer to show
-            continue
-        drawn[name] = _draw(name, fmt, [snap])
-        entries.append((fig_what, (drawn[name], state.as_of())))
+        else:
+            drawn[name] = _draw(name, fmt, [snap])
+            entries.append((fig_what, (drawn[name], state.as_of())))
 
     conf = state.conf
     summary = {"collection": pair.collection, "model": pair.model, "as_of": state.as_of()}
@@ -435,7 +491,39 @@ def render_report(cache: RenderCache, read: Callable[[Plan], Any], reader: Reade
                         snap.get("rows", []), snap.get("isotropy", []), drawn,
                         report_links(pair, shown, f, cross_layer=conf is not None and conf.cross_layer),
                         isotropy_columns=REPORT_ISOTROPY_COLUMNS, similarity=snap.get("similarity"))
-    content = page.encode("utf-8")
-    entries.append((what, (content, state.as_of(), shown)))
-    _store(cache, read, reader, pairs, [snap], entries)
-    return Rendered(content, state.as_of(), shown)
+    return page.encode("utf-8"), state.as_of(), shown, seen, entries
+
+
+def render_report(renderer: Renderer, read: Callable[[Plan], Any], reader: Reader, pair: PairKeys,
+                  count_filter: reports.CountFilter, layer: Optional[int] = None,
+                  fmt: str = "png") -> Rendered:
+    """The report page (UTF-8 HTML) of a pair: the per-layer table, the isotropy table,
+    every figure (``fmt``, as data URIs) and links to the JSON endpoints, all from one
+    snapshot, built by the renderer's pool (once for concurrent identical requests).
+    Figures the cache holds for the pair's version are reused; figures drawn for the
+    page are cached as the figure endpoint's entries too."""
+    pairs = [pair]
+    f = count_filter
+    what = ("report", fmt, layer, f.min_count, f.max_count)
+    (state,) = read(_states(reader, pairs))
+    before = (_fingerprint(state),)
+    key = _key(pair.collection, [pair.model], before, what)
+    cache = renderer.cache
+    cached = {}
+    if _settled(before):
+        hit = cache.get(key)
+        if hit is not None:
+            return Rendered(hit[0], hit[1], hit[2], hit=True)
+        for name, fig_what in _page_figures(state, fmt, _shown_layer(state, layer), f):
+            fig = cache.get(_key(pair.collection, [pair.model], before, fig_what))
+            if fig is not None:
+                cached[name] = fig[0]
+
+    def draw():
+        content, as_of, shown, seen, entries = renderer.pool.run(
+            report_job, pair, f, layer, fmt, before, cached)
+        entries.append((what, (content, as_of, shown)))
+        _store(cache, read, reader, pairs, seen, entries)
+        return Rendered(content, as_of, shown)
+
+    return renderer.once(key, draw)

@@ -23,7 +23,8 @@ __all__ = ["ModelSource", "Settings", "NOT_FOR_WORKERS"]
 # commands read.
 NOT_FOR_WORKERS = frozenset({
     "api_key", "api_keys", "api_keys_file", "metrics_require_key", "max_body_bytes",
-    "max_sync_bytes", "max_sync_runs", "model_load_wait_seconds", "render_cache_mb", "url",
+    "max_sync_bytes", "max_sync_runs", "model_load_wait_seconds", "render_cache_mb",
+    "render_nice", "render_processes", "url",
 })
 
 
@@ -170,6 +171,13 @@ class Settings(BaseSettings):
     render_cache_mb: int = Field(
         64, ge=0, description="Rendered figures and report pages each API process keeps (LRU, "
                               "MB; 0 disables): one is drawn again once its collection changes")
+    render_processes: int = Field(
+        2, ge=0, le=64, description="Child processes of each API process that draw figures and "
+                                    "report pages (matplotlib off the API's interpreter); 0 draws "
+                                    "on the API's thread pool")
+    render_nice: int = Field(
+        10, ge=0, le=19, description="Scheduling niceness of the render processes: token reads "
+                                     "stay fast while pages are drawn where cores are short")
 
     # Access
     api_key: Optional[str] = Field(None, description="Bearer token required on /v1 when set")

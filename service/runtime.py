@@ -26,6 +26,8 @@ from starlette.concurrency import run_in_threadpool
 from embgeom.compute.catalogue import ModelInfo, ModelRegistry
 from embgeom.heap import HeapTrimmer, limit_arenas
 from embgeom.lifetime import spawn
+from embgeom.render_pool import RenderPool
+from embgeom.renders import RenderCache, Renderer
 from embgeom.settings import Settings
 from embgeom.store.collections import Collections
 from embgeom.store.connection import async_redis_client, redis_client
@@ -57,6 +59,7 @@ class Runtime:
     collections: Collections
     reader: Reader
     server: Optional[RedisServer] = None
+    redis_url: str = ""  # what the render processes connect to
     workers: list = field(default_factory=list)   # embedded worker processes
     heap_trimmer: Optional[HeapTrimmer] = None
     _sync_pool: Optional[ModelPool] = None
@@ -65,6 +68,7 @@ class Runtime:
     # loaded the model twice) when the pool was made lazily without it.
     _sync_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _sync_runs: Optional[SyncRuns] = None
+    _renderer: Optional[Renderer] = None
 
     async def read(self, plan):
         """Run a read plan on the async client (within ``store_timeout_seconds``)."""
@@ -126,6 +130,20 @@ class Runtime:
             self._sync_runs = SyncRuns(self.settings.max_sync_runs)
         return self._sync_runs
 
+    @property
+    def renderer(self) -> Renderer:
+        """Figures and report pages: the render cache and the processes that draw
+        (``render_cache_mb``, ``render_processes``), made on first use, ended by
+        :meth:`close`."""
+        if self._renderer is None:
+            with self._sync_lock:
+                if self._renderer is None:
+                    s = self.settings
+                    pool = RenderPool(s.render_processes, self.redis_url, s.store_timeout_seconds,
+                                      s.render_nice, read=self.read_sync, reader=self.reader)
+                    self._renderer = Renderer(RenderCache(s.render_cache_mb << 20), pool)
+        return self._renderer
+
     @classmethod
     def open(cls, settings: Settings) -> "Runtime":
         server = None
@@ -144,7 +162,7 @@ class Runtime:
             settings=settings, redis=client, aredis=async_redis_client(url), registry=registry,
             queue=JobQueue(client, settings.max_attempts, settings.max_pending_jobs,
                            settings.idempotency_ttl_seconds, settings.retention_seconds),
-            collections=Collections(client), reader=Reader(), server=server,
+            collections=Collections(client), reader=Reader(), server=server, redis_url=url,
         )
         limit_arenas(settings.malloc_arenas)
         rt.heap_trimmer = HeapTrimmer(settings.heap_trim_seconds, "api-heap-trimmer").start()
@@ -164,6 +182,8 @@ class Runtime:
     def close(self) -> None:
         if self.heap_trimmer is not None:
             self.heap_trimmer.stop()
+        if self._renderer is not None:
+            self._renderer.close()
         for proc in self.workers:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)

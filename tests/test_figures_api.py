@@ -10,7 +10,11 @@ and a new checkpoint makes the next one draw again.
 from __future__ import annotations
 
 import io
+import os
 import re
+import signal
+import threading
+import time
 import xml.etree.ElementTree as ET
 from typing import Iterator
 
@@ -227,3 +231,138 @@ def test_render_cache_is_a_byte_bounded_lru_that_drops_older_versions():
     off = renders.RenderCache(0)
     off.put((scope, ((0, 1),), "a"), ("A",), 1)
     assert off.get((scope, ((0, 1),), "a")) is None
+
+
+# ------------------------------------------------------------------ drawn off the API
+
+def renderer_of(client: TestClient) -> renders.Renderer:
+    return client.app.state.runtime.renderer
+
+
+def test_a_second_request_of_the_same_version_draws_nothing(service):
+    """A hit is answered from the cache: the renderer runs no job for it, for a figure
+    or a page; a new checkpoint (a new version) runs one again."""
+    client, _ = service
+    renderer = renderer_of(client)
+    url, query = figure_url("outliers", "png")
+    client.get(url, params=query)
+    client.get(f"{BASE}/report", params={"format": "svg"})
+    drawn = renderer.drawn
+    assert client.get(url, params=query).headers["x-embgeom-cache"] == "hit"
+    assert client.get(f"{BASE}/report", params={"format": "svg"}).headers["x-embgeom-cache"] == "hit"
+    assert renderer.drawn == drawn
+    post(client, "figs", TEXTS[80:84])
+    assert client.get(url, params=query).headers["x-embgeom-cache"] == "miss"
+    assert renderer.drawn == drawn + 1
+
+
+def test_concurrent_identical_requests_are_drawn_once(service):
+    """Eight clients asking at once for a page no one has drawn: one job, eight equal
+    answers (the others waited for it, single flight)."""
+    client, _ = service
+    renderer = renderer_of(client)
+    drawn, shared = renderer.drawn, renderer.flights.shared
+    params = {"format": "svg", "min_count": 3}
+    barrier = threading.Barrier(8)
+    answers = [None] * 8
+
+    def ask(i):
+        barrier.wait()
+        answers[i] = client.get(f"{BASE}/report", params=params)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(a.status_code == 200 for a in answers)
+    assert len({a.content for a in answers}) == 1
+    assert renderer.drawn == drawn + 1
+    assert renderer.flights.shared - shared + [a.headers["x-embgeom-cache"] for a in answers].count("hit") == 7
+
+
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU seconds a process has used (``/proc/<pid>/stat``)."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_figures_are_drawn_in_child_processes_and_the_api_stays_free(service):
+    """A cold page is drawn in a render process: those processes spend more CPU on it
+    than the API process (which also answers /healthz every 20 ms meanwhile, at once)."""
+    client, _ = service
+    pool = renderer_of(client).pool
+    client.get(f"{BASE}/figures/isotropy")  # the render processes started
+    post(client, "figs", TEXTS[84:88])  # nothing drawn for this version
+    answer, pauses = {}, []
+
+    def page():
+        answer["r"] = client.get(f"{BASE}/report", params={"format": "png"})
+
+    pids = pool.pids()
+    assert pids and os.getpid() not in pids
+    api, children = cpu_seconds(os.getpid()), sum(cpu_seconds(p) for p in pids)
+    thread = threading.Thread(target=page)
+    thread.start()
+    while thread.is_alive():
+        t = time.perf_counter()
+        assert client.get("/healthz").status_code == 200
+        pauses.append(time.perf_counter() - t)
+        time.sleep(0.02)
+    api, children = cpu_seconds(os.getpid()) - api, sum(cpu_seconds(p) for p in pids) - children
+    assert answer["r"].status_code == 200 and answer["r"].headers["x-embgeom-cache"] == "miss"
+    assert len(pauses) >= 5, "the page was drawn too fast to watch /healthz meanwhile"
+    assert max(pauses) < 0.5, max(pauses)
+    assert children > api, f"drawing: {children:.2f} s of CPU in the render processes, {api:.2f} s in the API"
+
+
+def test_a_render_process_that_dies_is_replaced(service):
+    """SIGKILL of every render process (the OOM killer): the next request is drawn by a
+    new pool, 200, never a 500."""
+    client, _ = service
+    pool = renderer_of(client).pool
+    client.get(f"{BASE}/figures/isotropy")
+    for pid in pool.pids():
+        os.kill(pid, signal.SIGKILL)
+    time.sleep(0.5)
+    check_image(client.get(f"{BASE}/figures/decomposition", params={"min_count": 5}), "png", "decomposition")
+    assert pool.pids()
+
+
+def test_errors_raised_while_drawing_keep_their_json_shape(service):
+    """cka of a collection without cross_layer fails in the render process: the same 409
+    as the JSON endpoint, with its detail."""
+    client, _ = service
+    post(client, "figs-plain", TEXTS[:4])
+    r = client.get("/v1/collections/figs-plain/models/minilm/figures/cka")
+    error(r, 409, "cross_layer_not_kept")
+    assert r.json()["detail"] == client.get(
+        "/v1/collections/figs-plain/models/minilm/similarity", params={"metric": "linear_cka"}).json()["detail"]
+
+
+def test_the_render_cache_stays_within_its_byte_bound(service):
+    """An API whose cache holds 1 MiB: after every page and figure, the cache's bytes are
+    within it, and it holds something (the bound evicts, it does not disable)."""
+    _, url = service
+    with TestClient(create_app(settings_for(url, render_cache_mb=1))) as small:
+        cache = renderer_of(small).cache
+        for fmt in ("svg", "png"):
+            for name in figures.FIGURES:
+                u, q = figure_url(name, fmt)
+                assert small.get(u, params=q).status_code == 200
+                assert 0 < cache.size <= 1 << 20, cache.size
+            assert small.get(f"{BASE}/report", params={"format": fmt}).status_code == 200
+            assert 0 < cache.size <= 1 << 20, cache.size
+
+
+def test_errors_survive_the_trip_from_a_child_process():
+    """Errors pickle with their type, message and detail (they come back from a render
+    process through a pipe)."""
+    import pickle
+
+    from embgeom.errors import Conflict, InvalidInput, NotFound
+
+    for e in (NotFound("layer_not_kept", "m", layer=3), InvalidInput("m", type="invalid_format", format="x"),
+              Conflict("cross_layer_not_kept", "m", collection="c")):
+        back = pickle.loads(pickle.dumps(e))
+        assert (type(back), back.type, back.message, back.detail) == (type(e), e.type, e.message, e.detail)

@@ -2,8 +2,9 @@
 
 Rendering and encoding are CPU work: these routes are plain ``def`` routes, run on the
 thread pool with the synchronous Redis client, never on the event loop. Figures and
-pages come from :mod:`embgeom.renders` (one snapshot each, cached per API process until
-the collection changes); exports from :mod:`embgeom.exports`, streamed.
+pages come from :mod:`embgeom.renders` (one snapshot each, drawn in the runtime's render
+processes, once for concurrent identical requests, cached per API process until the
+collection changes); exports from :mod:`embgeom.exports`, streamed.
 
 Responses carry ``X-Embgeom-Version`` (the ``as_of`` version they show) and figures and
 pages ``X-Embgeom-Cache: hit|miss``.
@@ -13,15 +14,13 @@ from __future__ import annotations
 
 from typing import Annotated, Optional
 
-from fastapi import APIRouter, Path, Query, Request
+from fastapi import APIRouter, Path, Query
 from fastapi.responses import Response, StreamingResponse
 from pydantic import WithJsonSchema
 
 from embgeom import exports, reports
-from embgeom.renders import (
-    MEDIA_TYPES, RenderCache, check_format, figure_params, render_figure, render_report,
-)
-from service.deps import LayerTargetDep, ModelDep, PairDep, RuntimeDep, _check_layer, app_object
+from embgeom.renders import MEDIA_TYPES, check_format, figure_params, render_figure, render_report
+from service.deps import LayerTargetDep, ModelDep, PairDep, RuntimeDep, _check_layer
 from embgeom import figures as figure_kinds
 from service.schemas import MAX_INT, ErrorBody, documented
 
@@ -33,12 +32,6 @@ MaxCount = Annotated[Optional[int], Query(ge=1, le=MAX_INT, description="Keep to
 # A layer index as the document states it (the route answers a negative one 404 layer_not_found).
 LayerIndex = Optional[Annotated[int, WithJsonSchema({"type": "integer", "minimum": 0})]]
 ImageFormat = Annotated[str, Query(description="png | svg", **documented(enum=list(figure_kinds.FORMATS)))]
-
-
-def _cache(request: Request) -> RenderCache:
-    """The app's render cache (one per API process), made on first use."""
-    return app_object(request, "render_cache",
-                      lambda rt: RenderCache(rt.settings.render_cache_mb << 20))
 
 
 def _headers(rendered) -> dict:
@@ -55,7 +48,7 @@ def _headers(rendered) -> dict:
                              "description": "The figure"},
                        409: {"model": ErrorBody, "description": "cross_layer_not_kept: cka of a "
                                                                 "collection made without cross_layer"}})
-def figure(request: Request, pair: PairDep, model: ModelDep, rt: RuntimeDep,
+def figure(pair: PairDep, model: ModelDep, rt: RuntimeDep,
            name: Annotated[str, Path(**documented(enum=list(figure_kinds.FIGURES)))],
            format: ImageFormat = "png",
            layer: Annotated[LayerIndex, Query(description="Required by vm_scatter, frequency, spectrum")] = None,
@@ -79,13 +72,13 @@ def figure(request: Request, pair: PairDep, model: ModelDep, rt: RuntimeDep,
     for other in params.models:
         if other != pair.model:
             rt.registry.source(other)  # unknown_model
-    rendered = render_figure(_cache(request), rt.read_sync, rt.reader, pair.collection, params)
+    rendered = render_figure(rt.renderer, rt.read_sync, rt.reader, pair.collection, params)
     return Response(rendered.content, media_type=MEDIA_TYPES[params.fmt], headers=_headers(rendered))
 
 
 @router.get("/report", response_class=Response,
             responses={200: {"content": {"text/html": {}}, "description": "The report page"}})
-def report(request: Request, pair: PairDep, model: ModelDep, rt: RuntimeDep,
+def report(pair: PairDep, model: ModelDep, rt: RuntimeDep,
            min_count: MinCount = 1, max_count: MaxCount = None,
            layer: Annotated[LayerIndex, Query(
                description="Layer of the per-layer figures (default: the middle kept layer)")] = None,
@@ -98,7 +91,7 @@ def report(request: Request, pair: PairDep, model: ModelDep, rt: RuntimeDep,
     if layer is not None:
         _check_layer(model, layer)
     f = reports.CountFilter(min_count, max_count)
-    rendered = render_report(_cache(request), rt.read_sync, rt.reader, pair, f, layer, format)
+    rendered = render_report(rt.renderer, rt.read_sync, rt.reader, pair, f, layer, format)
     return Response(rendered.content, media_type="text/html; charset=utf-8", headers=_headers(rendered))
 
 
