@@ -5,8 +5,8 @@ worker's stage clock.
 embedded default, sends the held-out BBC sentences as 8 jobs (as ``e2e_cpu`` does), and
 prints tokens/s with the seconds each worker stage took meanwhile, read from the
 ``embgeom_worker_stage_seconds`` gauges of ``/metrics`` before and after:
-``forward_reduce`` (the model and the reduction), ``merge`` (into the window) and
-``prepare`` run on the worker's main and feeder threads; ``shards.*``, ``layers`` and
+``forward_reduce`` (the model and the reduction, which adds each batch's sums straight
+into the window) and ``prepare`` run on the worker's main and feeder threads; ``shards.*``, ``layers`` and
 ``export`` are the checkpoint, applied by another thread while the next window runs.
 """
 

@@ -643,7 +643,7 @@ def bench_merge(jobs: int, repeat: int, device: str = "cpu", shape: str = "minil
 
     The window update is what the worker does per batch once the reduction has its per-type
     sums about the window's shifts (float32 on the device): look up the rows (appending new
-    keys), convert the sums to float64 and :meth:`WindowAccumulator.add_sums` them. The bare
+    keys) and :meth:`WindowAccumulator.add_sums` them (widened to float64 in its buffers). The bare
     figure gets the float64 arrays and the rows for free. The window starts at the rows it
     will reach (a later window's start). ``moments_merge_over_bare`` is the same for a
     batch's token moments (``WindowAccumulator.add``: means and M2 turned into sums about
@@ -681,7 +681,7 @@ def bench_merge(jobs: int, repeat: int, device: str = "cpu", shape: str = "minil
         with torch.inference_mode():
             for ids, n, s1, s2, unit in work:
                 r, _ = acc.rows(ids)
-                acc.add_sums(r, n, s1.double(), s2.double(), None if unit is None else unit.double())
+                acc.add_sums(r, n, s1, s2, unit)  # widened to float64 in the window's buffers
         sync()
         return time.perf_counter() - t0
 

@@ -1,4 +1,4 @@
-"""The worker: take jobs -> forward -> reduce -> merge into the window -> checkpoint + ack.
+"""The worker: take jobs -> forward -> reduce into the window -> checkpoint + ack.
 
 Any number of workers, in any number of processes or machines, share one Redis (or one
 Redis Cluster). Each loads the models its jobs ask for on demand and keeps, per
@@ -9,7 +9,7 @@ its budget is reached (tokens, bytes or seconds), when nothing more is queued fo
 pair (so a lone job is never held back), when a job of another pair comes, or when the
 worker stops.
 
-Threads: the main thread runs the device (forward, reduction, merges) and checkpoints; a
+Threads: the main thread runs the device (forward, reduction into the window) and checkpoints; a
 *feeder* thread takes the next job and prepares it (tokenise, batch, pin) meanwhile; a
 heartbeat thread keeps the worker visible (``/readyz``), keeps the leases of every job it
 holds, publishes progress and renews the lease of a checkpoint being applied.

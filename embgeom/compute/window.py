@@ -218,12 +218,20 @@ class WindowAccumulator:
                  unit_sum: Optional[torch.Tensor]) -> None:
         """Fold a batch's per-type sums about the rows' shifts into the window: one
         ``index_add_`` per array. ``rows`` (k,) from :meth:`rows`; ``n`` (k,), ``s1``
-        (k, L, d), ``s2`` (k, L), ``unit_sum`` (k, L, d) or None, float64 on this device."""
-        self._n.index_add_(0, rows, n)
-        self._s1.index_add_(0, rows, s1)
-        self._s2.index_add_(0, rows, s2)
+        (k, L, d), ``s2`` (k, L), ``unit_sum`` (k, L, d) or None, on this device; sums in
+        another dtype (a batch's float32 sums) are widened to float64 in the workspace's
+        buffers first."""
+        self._n.index_add_(0, rows, self._wide("n", n))
+        self._s1.index_add_(0, rows, self._wide("s1", s1))
+        self._s2.index_add_(0, rows, self._wide("s2", s2))
         if self._unit is not None:
-            self._unit.index_add_(0, rows, unit_sum)
+            self._unit.index_add_(0, rows, self._wide("unit64", unit_sum))
+
+    def _wide(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """``t`` as float64: itself, or copied into the workspace buffer ``name``."""
+        if t.dtype == F64:
+            return t
+        return self.workspace.take(name, tuple(t.shape), F64, self.device).copy_(t)
 
     @torch.inference_mode()
     def add(self, tokens: Optional[TokenMoments], layers: LayerMoments) -> None:
