@@ -40,6 +40,8 @@ spread over a cluster and checkpoints of different workers write them in paralle
                                                      tokenizer)
     :applied  hash  checkpoint id -> its pieces applied here ("0,1,...")
     :lock     string fencing token of the worker applying to this shard (PX lease)
+    :gate     string touched (PX 1 s) by a piece's guard that refused it, so the piece's
+                    WATCHed EXEC writes nothing (embgeom.store.scripts.GUARD_PIECE)
     :dead     string set when the generation is deleted: later writes are refused
 
   Each (shard, group) part is applied and locked on its own: a checkpoint's piece p of
@@ -169,7 +171,7 @@ class PartTag:
         return f"PartTag({self.tag!r})"
 
 
-SHARD_KEYS = ("rec", "unit", "scal", "bkt", "agg", "name", "applied", "lock")
+SHARD_KEYS = ("rec", "unit", "scal", "bkt", "agg", "name", "applied", "lock", "gate")
 LAYER_PART_KEYS = ("seg", "folded", "lock")
 
 

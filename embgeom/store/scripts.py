@@ -1,8 +1,10 @@
 """Lua scripts: the conditional, atomic steps of the checkpoint protocol, one slot each.
 
-Lua here only checks conditions and moves bytes (HSET of values computed by the worker);
-no arithmetic on vectors runs inside Redis, so a script's run time is the copy of the
-bytes it is given (a checkpoint piece is bounded by ``EMBGEOM_PIECE_BYTES``).
+Lua here only checks conditions and moves small values; no arithmetic on vectors runs
+inside Redis. A checkpoint piece's records (up to ``EMBGEOM_PIECE_BYTES``) never pass
+through Lua: :data:`GUARD_PIECE` checks, and a WATCHed ``MULTI`` of plain ``HSET`` writes
+(copying megabytes into Lua strings and back cost Redis about ten times a plain HSET's
+time for the same bytes, ``INFO commandstats``).
 
 Every script names all its keys (one hash tag), so it runs unchanged on Redis Cluster.
 Times are Redis's own (``TIME``), in milliseconds.
@@ -15,7 +17,7 @@ import hashlib
 import redis
 
 __all__ = ["Script", "CLAIM_KEY", "CHECK", "NOW", "SEAL", "COMPLETE", "ADOPT", "RENEW", "GIVE_UP",
-           "DEAD_LETTER", "REVIVE", "APPLY_PIECE", "PUT_SEGMENT", "FOLD", "KILL_PART", "PROGRESS",
+           "DEAD_LETTER", "REVIVE", "GUARD_PIECE", "PUT_SEGMENT", "FOLD", "KILL_PART", "PROGRESS",
            "REFRESH", "SLICES", "SCAN_SLICES"]
 
 _NOW = """
@@ -232,54 +234,42 @@ redis.call('ZADD', KEYS[1], now, ARGV[1])
 return 1
 """)
 
-# Apply one piece of a checkpoint to a token shard, once. The caller holds the shard's
-# lock (fencing token ARGV[1]) and checked, at ARGV[4], that the checkpoint is in flight.
-# KEYS: lock, applied, dead, rec, unit, scal, bkt, agg, name.
-# ARGV: fence, cp, piece, checked_ms, max_age_ms, unlock, n_rec, n_unit, n_scal, n_bkt,
-#       n_name, field/value pairs..., agg
-# -> 1 applied | 2 already there | 0 lock lost | -1 generation deleted | -2 check too old
-#    | -3 a key holds the wrong type (nothing written: a script error half-way would leave
-#    records merged without the piece's marker, merged again by the next try)
-APPLY_PIECE = Script("""
-local function release() if ARGV[6] == '1' then redis.call('DEL', KEYS[1]) end end
-if redis.call('EXISTS', KEYS[3]) == 1 then return -1 end
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-if now - tonumber(ARGV[4]) > tonumber(ARGV[5]) then release() return -2 end
+# Guard one piece of a checkpoint before its records are written, once. The caller holds
+# the part's lock (fencing token ARGV[1]), checked at ARGV[4] that the checkpoint is in
+# flight, and sends, on one connection: WATCH (every key below), this script, then
+# MULTI, the piece's plain HSETs, its marker, EXEC. The bytes never pass through Lua. A
+# refusal touches ``gate`` (a key watched, of the part's slot), so EXEC writes nothing;
+# a success leaves every watched key as it was, so EXEC writes the piece unless another
+# client modified one of them, or the lock's lease lapsed, in between (EXEC answers nil).
+# KEYS: lock, applied, dead, rec, unit, scal, bkt, agg, name, gate.
+# ARGV: fence, cp, piece, checked_ms, max_age_ms, unlock, marks (the part's ``applied``
+#       value for cp that the caller read under its lock, '' for none)
+# -> 1 write it | 2 already there | 0 lock lost (or markers moved) | -1 generation
+#    deleted | -2 check too old | -3 a key holds the wrong type (EXEC would write some
+#    commands and fail others: records merged without the piece's marker)
+GUARD_PIECE = Script("""
+local function refuse(code)
+  if ARGV[6] == '1' and redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
+  redis.call('SET', KEYS[10], '1', 'PX', 1000)
+  return code
+end
+if redis.call('EXISTS', KEYS[3]) == 1 then return refuse(-1) end
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return refuse(0) end
+if now - tonumber(ARGV[4]) > tonumber(ARGV[5]) then return refuse(-2) end
 for _, k in ipairs({2, 4, 5, 6, 7, 9}) do
   local t = redis.call('TYPE', KEYS[k])['ok']
-  if t ~= 'hash' and t ~= 'none' then release() return -3 end
+  if t ~= 'hash' and t ~= 'none' then return refuse(-3) end
 end
 local t = redis.call('TYPE', KEYS[8])['ok']
-if t ~= 'string' and t ~= 'none' then release() return -3 end
+if t ~= 'string' and t ~= 'none' then return refuse(-3) end
 local have = redis.call('HGET', KEYS[2], ARGV[2])
 if have and string.find(',' .. have .. ',', ',' .. ARGV[3] .. ',', 1, true) then
-  release()
-  return 2
+  return refuse(2)
 end
-local i = 12
-local function put(key, count)
-  local j = 0
-  while j < count do
-    local args, last = {}, math.min(count, j + 500)
-    for _ = j + 1, last do
-      args[#args + 1] = ARGV[i]
-      args[#args + 1] = ARGV[i + 1]
-      i = i + 2
-    end
-    redis.call('HSET', key, unpack(args))
-    j = last
-  end
-end
-put(KEYS[4], tonumber(ARGV[7]))
-put(KEYS[5], tonumber(ARGV[8]))
-put(KEYS[6], tonumber(ARGV[9]))
-put(KEYS[7], tonumber(ARGV[10]))
-put(KEYS[9], tonumber(ARGV[11]))
-redis.call('SET', KEYS[8], ARGV[i])
-redis.call('HSET', KEYS[2], ARGV[2], have and (have .. ',' .. ARGV[3]) or ARGV[3])
-release()
+if (have or '') ~= ARGV[7] then return refuse(0) end
 return 1
 """)
+
 
 # Add a checkpoint's segment to a layer part (idempotent: one field per checkpoint).
 # KEYS: seg, folded, dead. ARGV: cp, bytes, checked_ms, max_age_ms
