@@ -7,16 +7,12 @@ The process test reads ``/proc`` (Linux, where the parent-death signal is used).
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
 import textwrap
 import threading
 import time
 
 from embgeom.render_pool import RenderPool, SingleFlight
-from tests.conftest import REPO
-from tests.test_lifetime import alive, wait_gone
+from tests.test_lifetime import alive, assert_child_outlives_its_thread_not_its_parent, wait_gone
 
 
 def pid_job(read, reader) -> int:
@@ -40,20 +36,7 @@ PARENT = textwrap.dedent("""
 
 
 def test_a_render_process_outlives_its_request_thread_but_not_the_api():
-    parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, cwd=REPO,
-                              env={**os.environ, "PYTHONPATH": str(REPO)}, text=True)
-    child = int(parent.stdout.readline())
-    try:
-        assert child != parent.pid
-        time.sleep(1.0)
-        assert alive(child), "died with the thread that started it"
-        parent.kill()
-        parent.wait(timeout=10)
-        assert not wait_gone([child], timeout=10)
-    finally:
-        parent.kill()
-        if alive(child):
-            os.kill(child, signal.SIGKILL)
+    assert_child_outlives_its_thread_not_its_parent(PARENT)
 
 
 def test_no_render_processes_runs_jobs_inline():
