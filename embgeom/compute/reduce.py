@@ -212,8 +212,10 @@ def reduce_batch(hidden_states: Sequence[torch.Tensor], layers: Sequence[int], k
     else:
         take = _fresh
         tok_s1 = torch.zeros((k, L, d), dtype=F64, device=device)       # the means
-    tok_m2 = take("s2", (k, L), F64, device, zero=True)                  # S2, or m2
-    tok_unit = take("unit64", (k, L, d), F64, device, zero=True) if self_similarity else None
+    # Every layer group fills its columns; zeros only for the empty batch's answer.
+    empty = N == 0
+    tok_m2 = take("s2", (k, L), F64, device, zero=empty)                 # S2, or m2
+    tok_unit = take("unit64", (k, L, d), F64, device, zero=empty) if self_similarity else None
     if N == 0:
         return TokenMoments(ids, n64, tok_s1, tok_m2, tok_unit), layer_moments
 
@@ -271,7 +273,7 @@ def reduce_batch(hidden_states: Sequence[torch.Tensor], layers: Sequence[int], k
             if new.numel():  # types new to the window: their first occurrence here
                 rep[new] = x.index_select(0, first[new])
         x.sub_(torch.index_select(rep, 0, inverse, out=take("a", (N, G, d), work, device)))
-        sums = take("sums", (k, G, d), work, device, zero=True).index_add_(0, inverse, x)   # S1 - y = x - r_t
+        sums = take("sums", (k, G, d), work, device, zero=True).index_add_(0, inverse, x)  # sum of y
         sq = take("sq", (k, G), work, device, zero=True) \
             .index_add_(0, inverse, torch.linalg.vector_norm(x, dim=2).square_())
         # mean - c over all N, from the per-type sums in float64 (k rows, no pass over N):
