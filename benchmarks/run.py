@@ -1036,16 +1036,32 @@ def table(res: dict) -> str:
     for name, value, note in rs:
         target, mark = verdict(res, name)
         lines.append(f"{name:<{w0}}  {value:>10}  {target:>12}  {mark:<18}  {note}")
-    m = res.get("machine")
-    if m:
-        fs = m.get("redis_data_filesystem") or {}
-        r = m.get("redis") or {}
-        lines.append(f"\nmachine: {m.get('cores')} cores ({m.get('cpu_model')}), "
-                     f"{(m.get('memory_bytes') or 0) / 2**30:.1f} GiB, Redis {r.get('version')} "
-                     f"appendonly {r.get('appendonly')} appendfsync {r.get('appendfsync')} on "
-                     f"{fs.get('type')} ({fs.get('mount')}), torch {m.get('torch')}, numpy {m.get('numpy')}; "
-                     f"load average {m.get('load_average_start')} -> {m.get('load_average_end')}")
+    if res.get("machine"):
+        lines.append(f"\nmachine: {machine_summary(res['machine'])}")
     return "\n".join(lines)
+
+
+def machine_summary(m: dict) -> str:
+    """One line from :func:`machine`'s record: cores and CPU, memory, GPU, Redis with its
+    persistence and filesystem, versions, load average; what a record lacks is left out."""
+    fs = m.get("redis_data_filesystem") or {}
+    r = m.get("redis") or {}
+    parts = [f"{m.get('cores')} cores" + (f" ({m['cpu_model']})" if m.get("cpu_model") else "")]
+    if m.get("memory_bytes"):
+        parts.append(f"{m['memory_bytes'] / 2**30:.1f} GiB")
+    parts.append(f"GPU {m['gpu']}" if m.get("gpu") else "no GPU")
+    if r:
+        redis = " ".join([f"Redis {r.get('version') or ''}".rstrip()]
+                         + [f"{k} {r[k]}" for k in ("appendonly", "appendfsync") if r.get(k)])
+        if fs.get("type"):
+            redis += f" on {fs['type']}" + (f" ({fs['mount']})" if fs.get("mount") else "")
+        parts.append(redis)
+    parts += [f"{name} {m[name]}" for name in ("torch", "numpy") if m.get(name)]
+    line = ", ".join(parts)
+    load = [m.get(k) for k in ("load_average_start", "load_average_end")]
+    if all(load):  # the 1-minute figure at the start and at the end
+        line += f"; load average {load[0][0]:.1f} -> {load[1][0]:.1f}"
+    return line
 
 
 class Lap:

@@ -30,7 +30,8 @@ worker (:func:`process_memory`: RSS, its anonymous and file-backed parts, the re
 pages of mapped weight files), Redis ``used_memory`` and, once a minute and at the end,
 ``MEMORY USAGE`` over each pair's keys by family (per (type, kept layer) at the end); the
 sealed checkpoints (``eg:{c:m}:inflight``, their owner); every response of 500 or more
-(endpoint, body); the latency of every read by endpoint (p50, p99).
+(endpoint, body); the latency of every read by endpoint (p50, p99); and the machine
+(:func:`benchmarks.run.machine`: cores, CPU, memory, GPU, Redis's persistence, versions).
 
 At the end the load stops, every job is waited for, and the store is checked:
 
@@ -91,7 +92,7 @@ from typing import Optional
 import httpx
 import numpy as np
 
-from benchmarks.run import _env, e2e_texts
+from benchmarks.run import _env, e2e_texts, machine, machine_summary
 
 REPO = Path(__file__).resolve().parent.parent
 LEASE_S = 10.0            # workers' EMBGEOM_LEASE_SECONDS: take-overs within seconds
@@ -437,6 +438,9 @@ class Soak:
             models_env["wide"] = {"source": str(path), "description": "random GPT-2, 17 x 2048, soak"}
             self.log.note(f"built the wide model in {time.time() - t0:.0f} s: {path}")
         self.redis = RedisServer(self.workdir / "redis").start(timeout=120)
+        from embgeom.store.connection import redis_client
+
+        self.machine = machine(redis_client(self.redis.url, socket_timeout=5), self.workdir / "redis")
         common = {**_env(), "EMBGEOM_MODELS": json.dumps(models_env),
                   "EMBGEOM_LEASE_SECONDS": str(LEASE_S), "EMBGEOM_HEARTBEAT_SECONDS": str(HEARTBEAT_S),
                   "EMBGEOM_HEAP_TRIM_SECONDS": str(HEAP_TRIM_S), **API_CACHES}
@@ -1217,6 +1221,7 @@ class Soak:
         return {
             "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(log.start)),
             "minutes": self.minutes, "plan": self.plan_name, "cpus": os.cpu_count(),
+            "machine": {**self.machine, "load_average_end": list(os.getloadavg())},
             "models": self.models, "collections": {c: {"settings": s, "models": ms, "texts": k}
                                                    for c, (s, ms, k) in self.plan.items()},
             "lease_s": LEASE_S, "small_window": SMALL_WINDOW,
@@ -1398,6 +1403,7 @@ def table(res: dict) -> str:
     lines = [f"soak: {res['minutes']:g} min, plan {res['plan']}, models {', '.join(res['models'])}, "
              f"{res['cpus']} CPUs; jobs {res['jobs']}, texts done {res['texts_done']}, "
              f"DELETEs {len(res['deletes'])}",
+             f"machine: {machine_summary(res.get('machine') or {})}",
              "faults: " + "; ".join(f"{f['what']} at {f['t']:.0f} s (back after {f['down_s']:.0f} s)"
                                     for f in res["faults"]), "",
              f"memory (MB) over {res['rss_window_s'][0]:.0f}-{res['rss_window_s'][1]:.0f} s (the last two thirds, "
