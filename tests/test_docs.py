@@ -1,4 +1,5 @@
-"""The README and docs/: every relative link resolves, and the README stays short.
+"""The README and docs/: every relative link resolves, the README stays a short page
+without dated measurements, and each generated table is what the committed results make.
 
 A link is ``[text](target)`` or ``![alt](target)`` outside fenced code; a target with a
 ``#fragment`` into a Markdown file must name one of its headings (GitHub's anchors:
@@ -7,15 +8,18 @@ lower case, punctuation dropped, spaces as hyphens).
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from urllib.parse import unquote
 
 import pytest
 
+from benchmarks import docs_tables
 from tests.conftest import REPO
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+LINKED = [*PAGES, REPO / "CHANGELOG.md"]  # every page whose links must resolve
 LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 FENCE = re.compile(r"^(```|~~~).*?^\1", re.S | re.M)
 
@@ -52,7 +56,7 @@ def test_the_link_walker_finds_links_and_anchors():
     assert [m.group(1) for m in LINK.finditer(_prose(text))] == ["x.md#y", "f/p.png"]
 
 
-@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))
+@pytest.mark.parametrize("page", LINKED, ids=lambda p: str(p.relative_to(REPO)))
 def test_every_relative_link_resolves(page):
     broken = []
     for target in links(page):
@@ -69,6 +73,29 @@ def test_every_relative_link_resolves(page):
 
 def test_the_readme_is_short_and_reaches_every_docs_page():
     readme = REPO / "README.md"
-    assert len(readme.read_text(encoding="utf-8").splitlines()) < 250
+    assert len(readme.read_text(encoding="utf-8").splitlines()) < 200
     linked = {(REPO / t.partition("#")[0]).resolve() for t in links(readme)}
     assert [p.name for p in PAGES[1:] if p.resolve() not in linked] == []
+
+
+def test_the_readme_carries_no_dated_measurement():
+    """Figures live in docs/ (generated, with their machine) and history in CHANGELOG.md."""
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    assert re.findall(r"\b20\d\d-\d\d-\d\d\b|tok/s|tokens/s", text) == []
+
+
+@pytest.mark.parametrize("table", docs_tables.TABLES, ids=lambda t: t.name)
+def test_each_generated_table_is_what_the_committed_results_make(table):
+    res = json.loads(table.results.read_text(encoding="utf-8"))
+    assert res.get("machine") and res.get("started"), f"{table.results.name} names no machine or date"
+    assert table.page.read_text(encoding="utf-8") == docs_tables.generated(table), (
+        f"{table.page.relative_to(REPO)} differs from {table.results.relative_to(REPO)}: "
+        "run python -m benchmarks.docs_tables")
+
+
+def test_a_table_is_rewritten_between_its_markers_only():
+    start, end = docs_tables.markers("x")
+    page = f"before\n{start}\nold\n| a |\n{end}\nafter\n"
+    assert docs_tables.rewrite(page, "x", "new") == f"before\n{start}\nnew\n{end}\nafter\n"
+    with pytest.raises(ValueError):
+        docs_tables.rewrite("no markers", "x", "new")
