@@ -3,9 +3,8 @@ what it holds rather than the most it ever held.
 
 glibc's malloc keeps freed chunks in its arenas for reuse and returns memory only from
 the top of a heap. A service that allocates reply buffers, arrays and windows of varying
-sizes from several threads fragments its arenas: measured in the soak (the API's
-``malloc_info`` every 90 s over 7 minutes), the bytes in use stayed at about 305 MB
-while the free bytes kept in the arenas grew from 403 to 431 MB, and the RSS with them.
+sizes from several threads fragments its arenas: the bytes in use stay flat while the
+free bytes kept in the arenas grow, and the RSS with them (the soak's heap probe shows it).
 ``malloc_trim(0)`` gives every whole free page inside those arenas back (``madvise``),
 whatever its place in the heap. :class:`HeapTrimmer` calls it every few seconds from a
 thread of its own. :func:`limit_arenas` keeps a process's threads on a few arenas, so free
@@ -68,10 +67,9 @@ def limit_arenas(count: int) -> bool:
     starts its threads: arenas made before stay.
 
     Under the default each new thread that allocates gets an arena of its own, and free
-    memory in one arena serves no other: the soak's workers (a forward thread, a
-    checkpoint applier, a feeder, torch's threads) had 11 arenas whose free part grew by
-    140 to 180 MB at rest over 13 minutes (491 -> 671, 649 -> 789 MB) while what they held
-    stayed near 285 MB. Returns False where it cannot (not glibc)."""
+    memory in one arena serves no other: a worker (a forward thread, a checkpoint applier,
+    a feeder, torch's threads) gets about a dozen arenas whose free part grows at rest
+    while what it holds stays flat. Returns False where it cannot (not glibc)."""
     libc = _libc()
     if libc is None or count <= 0:
         return False

@@ -3,10 +3,10 @@
     RenderPool(processes, redis_url, store_timeout, nice).run(job, *args) -> job's result
     SingleFlight().do(key, make)                                   -> make()'s result
 
-Why: a cold report page of 3,300 token types took 1.4 s of Redis reads and numpy and
-3 s of matplotlib (cProfile; docs/figures_report.md), nearly all of it Python holding
-the GIL; drawn on the API's thread pool it stalled every request of the process, token
-reads and ``/healthz`` included, and concurrent requests for the same page each drew it.
+Why: a cold report page is seconds of Redis reads, numpy and matplotlib (cProfile;
+docs/figures_report.md), nearly all of it Python holding the GIL; drawn on the API's
+thread pool it would stall every request of the process, token reads and ``/healthz``
+included, and concurrent requests for the same page would each draw it.
 
 A job is a module-level function ``job(read, reader, *args)`` (``read`` runs a read plan,
 ``reader`` is a :class:`~embgeom.store.reader.Reader`): :class:`RenderPool` runs it in a

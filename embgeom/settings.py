@@ -137,9 +137,9 @@ class Settings(BaseSettings):
                              "leaves the checkpoints in flight, and it can be retried")
     shards: int = Field(32, ge=1, le=4096, description="Token shards of a new (collection, model) pair")
     chunk_bytes: int = Field(2 << 20, ge=1 << 16, description="Largest co-moment chunk value")
-    # 2 MiB: applying one costs Redis 2 to 7 ms alone, mostly under 30 ms (SLOWLOG) with
-    # four workers on two cores; 8 MiB pieces took 65 to 170 ms there, longer than the
-    # 50 ms a read may wait behind one command.
+    # A piece is one Redis command and every read waits behind it: 2 MiB keeps one well
+    # within the 50 ms a read may wait behind a command with several workers sharing
+    # Redis's cores (an AOF fsync stall can still push one past it); 8 MiB did not.
     piece_bytes: int = Field(2 << 20, ge=1 << 16, description="Largest bytes one shard write carries")
     # Token records are cut into groups of kept layers, each group's records within this
     # (fixed per generation when its configuration is created); see record_layout.py.

@@ -34,8 +34,8 @@ def create_app(settings: Optional[Settings] = None, runtime: Optional[Runtime] =
         rt = runtime or Runtime.open(settings)
         app.state.runtime = rt
         # torch, transformers and the tokenizers leave millions of long-lived objects:
-        # out of the collector's reach, a full collection no longer stalls every request
-        # in flight for ~100 ms (the tail of the latency distribution).
+        # out of the collector's reach, a full collection does not walk them and stall
+        # every request in flight (the tail of the latency distribution).
         gc.collect()
         gc.freeze()
         try:

@@ -6,16 +6,13 @@ module and reads the files in a child.
 Why a child. The API reads a model's files on its first request, on its thread pool, but
 transformers holds the GIL there in long stretches of C code and garbage collection
 (``json.load`` of ``tokenizer.json``, twice, then the conversion of its merges), so the
-event loop waits too. Longest stall of a thread that ticks every millisecond, measured
-while another thread read them: SmolLM2's configuration 170 ms, its tokenizer 230 ms,
-Gemma 3's tokenizer 1,130 ms; /healthz answered in 815 ms at worst while four token pages
-first read SmolLM2.
+event loop, ``/healthz`` included, waits as long as the read: a large part of a second
+for a tokenizer, longer the larger its vocabulary.
 
 A child process reads them instead, once for every caller, and sends them back pickled.
-Unpickling the tokenizer still holds the GIL, less long: about 100 ms for SmolLM2's
-(/healthz at most 58 ms behind those four pages), but 1.2 to 1.4 s for Gemma 3's. The child
-costs its start (importing transformers, about 3 s), once per model for the life of the
-process that asks.
+Unpickling the tokenizer still holds the GIL, for much less long (but still noticeably for
+a vocabulary as large as Gemma 3's). The child costs its start (importing transformers),
+once per model for the life of the process that asks.
 
     python -m embgeom.compute.catalogue   (the request pickled on stdin, the answer on stdout)
 """
@@ -40,7 +37,7 @@ from embgeom.settings import ModelSource, Settings
 __all__ = ["ModelInfo", "ModelRegistry", "ModelFiles", "read", "read_in_child", "TIMEOUT_SECONDS"]
 
 # A packaged model is converted into the cache folder on its first read on a machine
-# (SmolLM2: 20 s here); a child still busy after this long is stopped.
+# (tens of seconds for SmolLM2's GGUF); a child still busy after this long is stopped.
 TIMEOUT_SECONDS = 900.0
 
 # A tokenizer that declares no limit reports a huge sentinel (int(1e30)).

