@@ -14,7 +14,10 @@ repository; its ``serve`` runs with that tree first on ``PYTHONPATH``):
   latencies (p50, max) and how many draws the API made (``X-Embgeom-Cache``);
 - ``report_hit_8``: 8 clients, 10 requests each, of a page drawn: p50, p99;
 - ``token_*_32_drawing`` and ``healthz_max_ms_drawing``: wrk again while one client asks
-  for pages never drawn, one after another, and another polls ``/healthz`` every 50 ms.
+  for pages never drawn, one after another, and another polls ``/healthz`` every 50 ms;
+- ``report_ingesting``: a worker ingests into ``c`` (a new version every checkpoint) while
+  two clients ask for one page every half second, as the soak's readers do: p50, p99, max
+  and how the answers came (``X-Embgeom-Cache``: miss, hit, stale).
 
 Prints one JSON object; figures, not assertions.
 """
@@ -155,9 +158,51 @@ def measure(url: str, tree: Path, tmp: Path, seconds: int) -> dict:
             out.update(token_p50_ms_32_drawing=busy["p50_ms"], token_p99_ms_32_drawing=busy["p99_ms"],
                        token_req_s_32_drawing=busy["req_s"], pages_drawn_meanwhile=len(drawn),
                        healthz_max_ms_drawing=max(health), healthz_p50_ms_drawing=statistics.median(health))
+            out["report_ingesting"] = pages_while_ingesting(client, url, seconds * 4)
     finally:
         api.stop()
     return out
+
+
+def pages_while_ingesting(client: httpx.Client, url: str, seconds: float) -> dict:
+    """Two readers of one page while a worker ingests 20 paragraphs a job into ``c``."""
+    from embgeom.corpora import bbc_texts
+
+    paras = [p for p in bbc_texts("paragraphs") if 40 <= len(p) <= 400]
+    worker = subprocess.Popen([sys.executable, "-m", "embgeom.cli", "--log-level", "warning", "worker",
+                               "--redis-url", url], env=_env(), cwd=REPO, start_new_session=True,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    stop, lat, caches, jobs = threading.Event(), [], [], []
+
+    def feed():
+        i = 0
+        while not stop.is_set():
+            batch = [paras[(i + j) % len(paras)] for j in range(20)]
+            jobs.append(client.post("/v1/jobs", json={"collection": "c", "model": "minilm",
+                                                      "texts": batch}).json()["job_id"])
+            i += 20
+            time.sleep(1.0)
+
+    def read():
+        while not stop.is_set():
+            s, r = report(client, 1)
+            lat.append(s)
+            caches.append(r.headers.get("x-embgeom-cache"))
+            time.sleep(0.5)
+
+    try:
+        report(client, 1)  # drawn once before the load, as the soak's first read is
+        threads = [threading.Thread(target=feed)] + [threading.Thread(target=read) for _ in range(2)]
+        [t.start() for t in threads]
+        time.sleep(seconds)
+        stop.set()
+        [t.join() for t in threads]
+    finally:
+        os.killpg(worker.pid, signal.SIGKILL)
+        worker.wait()
+    return {"pages": len(lat), "p50_s": statistics.median(lat), "p99_s": _pct(lat, 0.99),
+            "max_s": max(lat), "jobs": len(jobs),
+            **{f"answers_{k}": caches.count(k) for k in ("miss", "hit", "stale")}}
 
 
 def _serve(tree: Path, url: str, tmp: Path) -> ServeProcess:

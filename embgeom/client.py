@@ -461,12 +461,14 @@ class Calls:
     # ---------------------------------------------------- figures, report
     def figure(self, collection: str, model: str, name: str, fmt: str = "png", layer: Optional[int] = None,
                min_count: int = 1, max_count: Optional[int] = None,
-               models: Optional[Sequence[str]] = None) -> Figure:
+               models: Optional[Sequence[str]] = None, fresh: bool = False) -> Figure:
         """One figure (``layer`` for vm_scatter, frequency, spectrum; ``models`` to overlay
-        in layer_summary)."""
+        in layer_summary). While the collection changes the service may answer the newest
+        drawing of an earlier version; ``fresh`` waits for the current one."""
         return self._run(Call("GET", f"{_pair(collection, model)}/figures/{name}",
                               params=_query(format=fmt, layer=layer, min_count=min_count, max_count=max_count,
-                                            models=",".join(models) if models else None),
+                                            models=",".join(models) if models else None,
+                                            fresh="true" if fresh else None),
                               parse=_figure(fmt)))
 
     def layer_figure(self, collection: str, model: str, layer: int, name: str = "intrinsic_dimension",
@@ -488,10 +490,12 @@ class Calls:
                               parse=_figure(fmt)))
 
     def report(self, collection: str, model: str, min_count: int = 1, max_count: Optional[int] = None,
-               layer: Optional[int] = None, fmt: str = "png") -> Report:
-        """The report page (HTML) and the layer its per-layer figures show."""
+               layer: Optional[int] = None, fmt: str = "png", fresh: bool = False) -> Report:
+        """The report page (HTML) and the layer its per-layer figures show (``fresh`` as
+        :meth:`figure`)."""
         return self._run(Call("GET", f"{_pair(collection, model)}/report",
-                              params=_query(format=fmt, min_count=min_count, max_count=max_count, layer=layer),
+                              params=_query(format=fmt, min_count=min_count, max_count=max_count, layer=layer,
+                                            fresh="true" if fresh else None),
                               parse=_report))
 
     def export(self, collection: str, model: str, layer: int, out: Optional[BinaryIO] = None,

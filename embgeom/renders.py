@@ -30,8 +30,10 @@ being applied (``applying == 0``), so a half-applied checkpoint is never cached.
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from concurrent.futures import Future, TimeoutError as FutureTimeout
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Hashable, Optional, Sequence
 from urllib.parse import quote, urlencode
 
@@ -104,6 +106,7 @@ class Rendered:
     as_of: dict
     layer: Optional[int]
     hit: bool = False
+    stale: bool = False  # the newest drawn, of an earlier snapshot, while the current is drawn
 
 
 def check_format(fmt: str) -> str:
@@ -324,15 +327,29 @@ def _store(cache: RenderCache, read, reader: Reader, pairs: Sequence[PairKeys], 
 
 
 class Renderer:
-    """The owner of rendered bytes: the cache (bounded in bytes), the pool that draws
+    """The owner of rendered bytes: the cache (bounded in bytes), the newest drawing of
+    each figure and page (bounded likewise), the pool that draws
     (:class:`~embgeom.render_pool.RenderPool`) and the draws in flight, so concurrent
-    requests for one (pair, version, query) draw it once. One per API process."""
+    requests for one (pair, version, query) draw it once. One per API process.
 
-    def __init__(self, cache: RenderCache, pool: RenderPool):
+    A collection that changes every few seconds would keep every request waiting for a
+    drawing of its own: where the same query was drawn before (same generation, at most
+    ``max_stale_seconds`` ago), a request waits at most ``wait_seconds`` for the current
+    drawing and is otherwise answered with that earlier one, marked stale; the current
+    drawing goes on in the background (one per query at a time) and is kept for the next.
+    """
+
+    def __init__(self, cache: RenderCache, pool: RenderPool, max_stale_seconds: float = 0.0,
+                 wait_seconds: float = 0.0, newest: Optional[RenderCache] = None):
         self.cache = cache
+        self.newest = newest if newest is not None else RenderCache(cache.max_bytes)
         self.pool = pool
+        self.max_stale_seconds = max_stale_seconds
+        self.wait_seconds = wait_seconds
         self.flights = SingleFlight()
         self.drawn = 0  # draws run (pages and figures), hits and shared calls excluded
+        self._background: dict[Hashable, Future] = {}  # query -> its drawing in the background
+        self._lock = threading.Lock()
 
     def once(self, key: tuple, draw: Callable[[], Rendered]) -> Rendered:
         """``draw()``, run once for the concurrent calls with ``key``."""
@@ -341,8 +358,66 @@ class Renderer:
             return draw()
         return self.flights.do(key, counted)
 
+    def serve(self, key: tuple, fresh: bool, draw: Callable[[], tuple[Rendered, tuple]]) -> Rendered:
+        """The entry ``key`` (``_key(...)`` of the request's snapshot, not in the cache),
+        drawn by ``draw()`` (the rendered entry and the fingerprints of its snapshot), or,
+        unless ``fresh``, the newest drawing of the query if the current one takes longer
+        than ``wait_seconds``."""
+        query = _query(key)
+
+        def drawn() -> Rendered:
+            started = time.monotonic()
+            rendered, seen = draw()
+            self._keep_newest(query, tuple(p[:2] for p in seen), rendered, started)
+            return rendered
+
+        kept = None if fresh or self.max_stale_seconds <= 0 else self.newest.get(query)
+        if kept is None or time.monotonic() - kept[2] > self.max_stale_seconds:
+            return self.once(key, drawn)
+        states, rendered, _ = kept
+        if states == key[1]:  # drawn at this version, not cached (a checkpoint was applying)
+            return replace(rendered, hit=True)
+        try:
+            return self._in_background(query, lambda: self.once(key, drawn)).result(self.wait_seconds)
+        except FutureTimeout:
+            return replace(rendered, hit=True, stale=True)
+
+    def _keep_newest(self, query: tuple, states: tuple, rendered: Rendered, started: float) -> None:
+        """Keep ``rendered`` as the newest drawing of ``query`` unless a later snapshot's is
+        kept (drawings end out of order); aged from when its drawing started."""
+        with self._lock:
+            kept = self.newest.get(query)
+            if kept is None or kept[0] <= states:
+                self.newest.put(query, (states, rendered, started), len(rendered.content))
+
+    def _in_background(self, query: tuple, run: Callable[[], Rendered]) -> Future:
+        """The drawing of ``query`` running in the background, started with ``run`` if
+        none is; it outlives the request that started it."""
+        with self._lock:
+            future = self._background.get(query)
+            if future is not None:
+                return future
+            future = self._background[query] = Future()
+
+        def target():
+            try:
+                future.set_result(run())
+            except BaseException as exc:  # the waiters' to report; a later request draws again
+                future.set_exception(exc)
+            finally:
+                with self._lock:
+                    del self._background[query]
+        threading.Thread(target=target, name="render-background", daemon=True).start()
+        return future
+
     def close(self) -> None:
         self.pool.close()
+
+
+def _query(key: tuple) -> tuple:
+    """A cache key without its versions: (scope, generations, what)."""
+    scope, states, what = key
+    return scope, tuple(s[0] for s in states), what
 
 
 def figure_job(read: Callable[[Plan], Any], reader: Reader, collection: str,
@@ -367,9 +442,10 @@ def figure_job(read: Callable[[Plan], Any], reader: Reader, collection: str,
 
 
 def render_figure(renderer: Renderer, read: Callable[[Plan], Any], reader: Reader, collection: str,
-                  params: FigureParams) -> Rendered:
-    """The figure ``params`` names: from the cache, or drawn by the renderer's pool (once
-    for concurrent identical requests) and cached."""
+                  params: FigureParams, fresh: bool = False) -> Rendered:
+    """The figure ``params`` names: from the cache, or the newest drawn while the current
+    snapshot's is drawn (:meth:`Renderer.serve`; not when ``fresh``), or drawn by the
+    renderer's pool (once for concurrent identical requests) and cached."""
     models = params.models or ()
     if not models:
         raise ValueError("FigureParams.models must name the pair(s) (figure_params does)")
@@ -385,9 +461,9 @@ def render_figure(renderer: Renderer, read: Callable[[Plan], Any], reader: Reade
     def draw():
         content, as_of, layer, seen = renderer.pool.run(figure_job, collection, params)
         _store(renderer.cache, read, reader, pairs, seen, [(what, (content, as_of))])
-        return Rendered(content, as_of, layer)
+        return Rendered(content, as_of, layer), seen
 
-    return renderer.once(key, draw)
+    return renderer.serve(key, fresh, draw)
 
 
 # ------------------------------------------------------------------ report
@@ -496,12 +572,13 @@ def report_job(read: Callable[[Plan], Any], reader: Reader, pair: PairKeys,
 
 def render_report(renderer: Renderer, read: Callable[[Plan], Any], reader: Reader, pair: PairKeys,
                   count_filter: reports.CountFilter, layer: Optional[int] = None,
-                  fmt: str = "png") -> Rendered:
+                  fmt: str = "png", fresh: bool = False) -> Rendered:
     """The report page (UTF-8 HTML) of a pair: the per-layer table, the isotropy table,
     every figure (``fmt``, as data URIs) and links to the JSON endpoints, all from one
     snapshot, built by the renderer's pool (once for concurrent identical requests).
     Figures the cache holds for the pair's version are reused; figures drawn for the
-    page are cached as the figure endpoint's entries too."""
+    page are cached as the figure endpoint's entries too. While the pair changes, the
+    newest page drawn is answered (marked stale) as :func:`render_figure` does."""
     pairs = [pair]
     f = count_filter
     what = ("report", fmt, layer, f.min_count, f.max_count)
@@ -524,6 +601,6 @@ def render_report(renderer: Renderer, read: Callable[[Plan], Any], reader: Reade
             report_job, pair, f, layer, fmt, before, cached)
         entries.append((what, (content, as_of, shown)))
         _store(cache, read, reader, pairs, seen, entries)
-        return Rendered(content, as_of, shown)
+        return Rendered(content, as_of, shown), seen
 
-    return renderer.once(key, draw)
+    return renderer.serve(key, fresh, draw)

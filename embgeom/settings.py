@@ -24,7 +24,7 @@ __all__ = ["ModelSource", "Settings", "NOT_FOR_WORKERS"]
 NOT_FOR_WORKERS = frozenset({
     "api_key", "api_keys", "api_keys_file", "metrics_require_key", "max_body_bytes",
     "max_sync_bytes", "max_sync_runs", "model_load_wait_seconds", "render_cache_mb",
-    "render_nice", "render_processes", "url",
+    "render_max_stale_seconds", "render_nice", "render_processes", "render_wait_seconds", "url",
 })
 
 
@@ -171,6 +171,15 @@ class Settings(BaseSettings):
     render_cache_mb: int = Field(
         64, ge=0, description="Rendered figures and report pages each API process keeps (LRU, "
                               "MB; 0 disables): one is drawn again once its collection changes")
+    render_wait_seconds: float = Field(
+        1.5, ge=0, description="How long a figure or report page request waits for a drawing of "
+                               "the collection as it is now when an earlier drawing of the same "
+                               "query exists; past it, that one is answered (X-Embgeom-Cache: "
+                               "stale) and the current one is kept for the next request")
+    render_max_stale_seconds: float = Field(
+        60.0, ge=0, description="The oldest earlier drawing render_wait_seconds may answer with "
+                                "(seconds since its drawing began); 0: always wait for the "
+                                "current one, as ?fresh=true does")
     render_processes: int = Field(
         2, ge=0, le=64, description="Child processes of each API process that draw figures and "
                                     "report pages (matplotlib off the API's interpreter); 0 draws "

@@ -133,15 +133,16 @@ class Runtime:
     @property
     def renderer(self) -> Renderer:
         """Figures and report pages: the render cache and the processes that draw
-        (``render_cache_mb``, ``render_processes``), made on first use, ended by
-        :meth:`close`."""
+        (``render_cache_mb``, ``render_processes``, ``render_wait_seconds``,
+        ``render_max_stale_seconds``), made on first use, ended by :meth:`close`."""
         if self._renderer is None:
             with self._sync_lock:
                 if self._renderer is None:
                     s = self.settings
                     pool = RenderPool(s.render_processes, self.redis_url, s.store_timeout_seconds,
                                       s.render_nice, read=self.read_sync, reader=self.reader)
-                    self._renderer = Renderer(RenderCache(s.render_cache_mb << 20), pool)
+                    self._renderer = Renderer(RenderCache(s.render_cache_mb << 20), pool,
+                                              s.render_max_stale_seconds, s.render_wait_seconds)
         return self._renderer
 
     @classmethod

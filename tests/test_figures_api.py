@@ -52,8 +52,11 @@ def service(tmp_path_factory) -> Iterator[tuple[TestClient, str]]:
     tmp = tmp_path_factory.mktemp("figures-api")
     server = RedisServer(tmp / "redis").start()
     settings = settings_for(server.url, checkpoint_seconds=0.2)
+    # Every request waits for the current drawing (no stale answers) in this module's app,
+    # so each cache header is decided; the stale answer has its own test below.
+    api_settings = settings_for(server.url, checkpoint_seconds=0.2, render_max_stale_seconds=0)
     try:
-        with WorkerThread(settings), TestClient(create_app(settings)) as client:
+        with WorkerThread(settings), TestClient(create_app(api_settings)) as client:
             # cross_layer: the page's CKA section and the cka figure have data (figs-sub has not)
             r = client.put("/v1/collections/figs", json={"cross_layer": True})
             assert r.status_code == 201, r.text
@@ -254,6 +257,34 @@ def test_a_second_request_of_the_same_version_draws_nothing(service):
     post(client, "figs", TEXTS[80:84])
     assert client.get(url, params=query).headers["x-embgeom-cache"] == "miss"
     assert renderer.drawn == drawn + 1
+
+
+def test_while_the_collection_changes_the_newest_drawn_page_is_answered_at_once(service):
+    """render_wait_seconds=0: a page of a version not drawn yet is answered with the newest
+    drawn (stale, with that drawing's version), the current one is drawn in the background
+    and answers the next request; ``fresh=true`` waits for the current one."""
+    client, url = service
+    params = {"format": "svg", "min_count": 2}
+    with TestClient(create_app(settings_for(url, render_wait_seconds=0))) as app:
+        def page(**extra):
+            r = app.get(f"{BASE}/report", params={**params, **extra})
+            assert r.status_code == 200, r.text
+            return r.headers["x-embgeom-cache"], int(r.headers["x-embgeom-version"]), r.content
+
+        cache, v1, first = page()
+        assert cache == "miss"  # nothing drawn before: it waits
+        post(client, "figs", TEXTS[88:92])
+        cache, version, content = page()
+        assert (cache, version, content) == ("stale", v1, first)
+        deadline = time.monotonic() + 120
+        while (answer := page())[0] == "stale":
+            assert time.monotonic() < deadline, "the background drawing never arrived"
+            time.sleep(0.2)
+        cache, v2, second = answer
+        assert cache == "hit" and v2 > v1 and second != first
+        post(client, "figs", TEXTS[92:96])
+        cache, v3, _ = page(fresh="true")
+        assert cache == "miss" and v3 > v2
 
 
 def test_concurrent_identical_requests_are_drawn_once(service):

@@ -34,8 +34,13 @@ LayerIndex = Optional[Annotated[int, WithJsonSchema({"type": "integer", "minimum
 ImageFormat = Annotated[str, Query(description="png | svg", **documented(enum=list(figure_kinds.FORMATS)))]
 
 
+# ?fresh=true: wait for the current snapshot's drawing rather than take the newest drawn.
+Fresh = Annotated[bool, Query(description="Wait for a drawing of the collection as it is now "
+                                          "instead of the newest drawn (X-Embgeom-Cache: stale)")]
+
+
 def _headers(rendered) -> dict:
-    headers = {"X-Embgeom-Cache": "hit" if rendered.hit else "miss",
+    headers = {"X-Embgeom-Cache": "stale" if rendered.stale else "hit" if rendered.hit else "miss",
                "X-Embgeom-Version": str(rendered.as_of.get("version", 0)),
                "Cache-Control": "no-cache"}
     if rendered.layer is not None:
@@ -56,7 +61,8 @@ def figure(pair: PairDep, model: ModelDep, rt: RuntimeDep,
            models: Annotated[Optional[str], Query(
                description="layer_summary: comma-separated models of the collection to overlay "
                            "(default: this one)",
-               **documented(pattern=r"^[A-Za-z0-9_.-]{1,64}(,[A-Za-z0-9_.-]{1,64})*$"))] = None) -> Response:
+               **documented(pattern=r"^[A-Za-z0-9_.-]{1,64}(,[A-Za-z0-9_.-]{1,64})*$"))] = None,
+           fresh: Fresh = False) -> Response:
     """One figure, drawn from one consistent read of the collection.
 
     ``name``: vm_scatter (V against M per token type, paper Fig. 2), layer_summary (cv_Q,
@@ -65,14 +71,16 @@ def figure(pair: PairDep, model: ModelDep, rt: RuntimeDep,
     layer-by-layer linear CKA of .../similarity; 409 cross_layer_not_kept without
     cross_layer). The count filter (default every token type, as the JSON endpoints)
     applies to the first five.
-    Figures are cached until the collection changes."""
+    Figures are cached until the collection changes; while it changes, the newest drawn
+    (``X-Embgeom-Cache: stale``, its own ``X-Embgeom-Version``) is answered while the
+    current one is drawn, unless ``fresh``."""
     params = figure_params(name, format, layer, min_count, max_count, models, pair.model)
     if params.layer is not None:
         _check_layer(model, params.layer)
     for other in params.models:
         if other != pair.model:
             rt.registry.source(other)  # unknown_model
-    rendered = render_figure(rt.renderer, rt.read_sync, rt.reader, pair.collection, params)
+    rendered = render_figure(rt.renderer, rt.read_sync, rt.reader, pair.collection, params, fresh)
     return Response(rendered.content, media_type=MEDIA_TYPES[params.fmt], headers=_headers(rendered))
 
 
@@ -83,15 +91,16 @@ def report(pair: PairDep, model: ModelDep, rt: RuntimeDep,
            layer: Annotated[LayerIndex, Query(
                description="Layer of the per-layer figures (default: the middle kept layer)")] = None,
            format: Annotated[str, Query(description="Figures as png (default) or svg",
-                                        **documented(enum=list(figure_kinds.FORMATS)))] = "png") -> Response:
+                                        **documented(enum=list(figure_kinds.FORMATS)))] = "png",
+           fresh: Fresh = False) -> Response:
     """A self-contained HTML page: the per-layer table, the isotropy table, every figure
     and links to the JSON endpoints, from one consistent read; cached until the
-    collection changes."""
+    collection changes, and while it changes answered as the figures are (``fresh``)."""
     check_format(format)
     if layer is not None:
         _check_layer(model, layer)
     f = reports.CountFilter(min_count, max_count)
-    rendered = render_report(rt.renderer, rt.read_sync, rt.reader, pair, f, layer, format)
+    rendered = render_report(rt.renderer, rt.read_sync, rt.reader, pair, f, layer, format, fresh)
     return Response(rendered.content, media_type="text/html; charset=utf-8", headers=_headers(rendered))
 
 
