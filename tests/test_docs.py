@@ -13,7 +13,7 @@ from urllib.parse import unquote
 
 import pytest
 
-from tests.conftest import REPO
+from embgeom.testing.serve import REPO
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")

@@ -19,8 +19,8 @@ import pytest
 
 from embgeom.lifetime import spawn
 from embgeom.settings import NOT_FOR_WORKERS, Settings
-from embgeom.store.server import DataDirBusy, RedisServer, free_port
-from tests.conftest import REPO, ServiceProcess, wait_ready
+from embgeom.store.server import DataDirBusy, RedisServer
+from embgeom.testing.serve import REPO, ServiceProcess, wait_ready
 
 SECRET = "s3cret-key-of-the-test"
 
@@ -88,10 +88,8 @@ def wait_gone(pids, timeout: float) -> list[int]:
 
 
 def serve(tmp_path: Path, data: Path, name: str, env=None) -> tuple[ServiceProcess, str]:
-    port = free_port()
-    proc = ServiceProcess(["serve", "--port", str(port), "--data-dir", str(data)], env=env,
-                          log_path=tmp_path / f"{name}.log").start()
-    return proc, f"http://127.0.0.1:{port}"
+    proc = ServiceProcess.serve(data_dir=data, env=env, log_path=tmp_path / f"{name}.log").start()
+    return proc, proc.url
 
 
 def embedded_children(proc: ServiceProcess, data: Path, timeout: float = 60) -> tuple[int, int]:
