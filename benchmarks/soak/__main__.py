@@ -30,6 +30,5 @@ def main(argv=None) -> int:
     return 0 if all(a["ok"] for a in res["acceptance"]) else 1
 
 
-
 if __name__ == "__main__":
     sys.exit(main())

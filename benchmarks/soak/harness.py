@@ -158,7 +158,6 @@ class Soak(Load, Readers, Sampler, Faults, Checks, Report):
             self.redis.kill()
 
 
-
 def run(minutes: float, plan: str, json_path: Optional[Path] = None, keep: bool = False) -> dict:
     """One soak; the results (also written to ``json_path``)."""
     workdir = Path(tempfile.mkdtemp(prefix="embgeom-soak-"))

@@ -24,7 +24,6 @@ class Job:
     error: Optional[str] = None
 
 
-
 @dataclass
 class Log:
     """Everything the threads record, under one lock."""
@@ -53,7 +52,6 @@ class Log:
         with self.lock:
             self.events.append((self.t(), text))
         print(f"[soak {self.t():7.1f}s] {text}", flush=True)
-
 
 
 class Http:

@@ -131,7 +131,6 @@ class Report:
         }
 
 
-
 def table(res: dict) -> str:
     lines = [f"soak: {res['minutes']:g} min, plan {res['plan']}, models {', '.join(res['models'])}, "
              f"{res['cpus']} CPUs; jobs {res['jobs']}, texts done {res['texts_done']}, "

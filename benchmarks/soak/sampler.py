@@ -162,17 +162,14 @@ def process_memory(pid: Optional[int]) -> Optional[dict]:
             "weight_files": len(files)}
 
 
-
 def weight_bytes(path: str) -> int:
     """Bytes of the weight files (:data:`WEIGHT_SUFFIXES`) under a model's folder."""
     return sum(f.stat().st_size for f in Path(path).rglob("*") if f.name.endswith(WEIGHT_SUFFIXES))
 
 
-
 def _redis_ms(client) -> float:
     sec, usec = client.time()
     return sec * 1000 + usec / 1000
-
 
 
 def key_family(key: str) -> Optional[tuple[str, str]]:
@@ -192,7 +189,6 @@ def key_family(key: str) -> Optional[tuple[str, str]]:
     tag = parts[-1]
     kind = "shard" if tag.startswith("s") else "head" if tag == "h" else "chunk" if tag.startswith("L") else tag
     return ":".join(parts[:2]), f"{kind}:{suffix}"
-
 
 
 def memory_by_family(client, pairs: list[str], samples: int = 5) -> dict:
