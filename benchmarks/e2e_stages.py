@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.run import ServeProcess, e2e_texts, run_jobs, split_jobs
+from benchmarks.run import e2e_texts, run_jobs, serve_process, split_jobs
 
 def stage_seconds(metrics_text: str) -> dict[str, float]:
     """Seconds per stage in a ``/metrics`` text, summed over the live workers."""
@@ -45,9 +45,9 @@ def main(argv=None) -> int:
     texts = e2e_texts(args.texts)
     jobs = split_jobs(texts)
     tmp = Path(tempfile.mkdtemp(prefix="embgeom-bench-stages-"))
-    serve = ServeProcess(tmp)
+    serve = serve_process(tmp)
     try:
-        serve.wait_ready()
+        serve.wait_ready(180)
         with httpx.Client(base_url=serve.url, timeout=120) as client:
             run_jobs(client, "warm", [texts[:10]])  # the worker loads its model
             time.sleep(3)  # a few heartbeats: the gauges then include the warm-up
@@ -56,7 +56,7 @@ def main(argv=None) -> int:
             time.sleep(2)
             after = read_stages(serve.url)
     finally:
-        serve.stop()
+        serve.terminate()
         shutil.rmtree(tmp, ignore_errors=True)
     print(f"service: {tokens:,} tokens in {seconds:.1f} s = {tokens / seconds:,.0f} tokens/s")
     for stage in sorted(after):

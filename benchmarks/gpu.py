@@ -90,6 +90,8 @@ import traceback
 from pathlib import Path
 from typing import Optional
 
+from embgeom.testing.models import GPT2_SHAPE, build_gpt2_random
+
 REPO = Path(__file__).resolve().parent.parent
 
 # Peak dense (no sparsity) bf16 tensor FLOP/s of the datasheets, by a pattern of
@@ -103,7 +105,6 @@ PEAK_BF16: list[tuple[str, float]] = [
     (r"\bL4\b", 121e12),
 ]
 
-GPT2_SHAPE = {"n_layer": 12, "n_embd": 768, "n_head": 12, "n_positions": 1024}
 TARGET_RATIO = 0.8  # service / bare, MPNet in bf16 on a GPU
 # Seconds a steady-state shape's share leaves for its wind-down past its budget (the jobs
 # already submitted finish, the store is counted, its Redis stops).
@@ -167,31 +168,6 @@ def forward_flops(tokens: int, sum_sq: int, params: int, layers: int, d_attn: in
     """FLOPs of the forward of sequences of ``tokens`` real tokens in all, ``sum_sq`` the
     sum of their squared lengths: ``2 P n + 4 L d_attn n^2`` per sequence (module docstring)."""
     return 2.0 * params * tokens + 4.0 * layers * d_attn * sum_sq
-
-
-def build_gpt2_random(folder: Path, tokenizer_source, seed: int = 0, **shape) -> Path:
-    """A GPT-2-shaped ``GPT2Model`` at random (``torch.manual_seed(seed)``) with the
-    tokenizer of ``tokenizer_source``, saved with ``save_pretrained`` into ``folder``."""
-    import torch
-    from transformers import AutoTokenizer, GPT2Config, GPT2Model
-
-    shape = {**GPT2_SHAPE, **shape}
-    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_source))
-    tokenizer.model_max_length = shape["n_positions"]
-    config = GPT2Config(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-                        eos_token_id=tokenizer.eos_token_id, **shape)
-    config.architectures = ["GPT2Model"]
-    state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
-    try:
-        model = GPT2Model(config).eval()
-    finally:
-        torch.random.set_rng_state(state)
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
 
 
 def _fmt(x, spec: str, missing: str = "-") -> str:
@@ -337,10 +313,10 @@ class Service:
     """``embgeom serve`` (embedded Redis and one worker) for one device and dtype."""
 
     def __init__(self, env: dict):
-        from benchmarks.run import ServeProcess
+        from benchmarks.run import serve_process
 
         self.tmp = Path(tempfile.mkdtemp(prefix="embgeom-gpu-serve-"))
-        self.serve = ServeProcess(self.tmp, env=env)
+        self.serve = serve_process(self.tmp, env=env)
         self.ready = False
 
     def wait_ready(self, timeout: float) -> None:
@@ -356,7 +332,7 @@ class Service:
     def stop(self, grace: float = 20) -> None:
         """SIGTERM (the service stops its worker and Redis), then SIGKILL to whatever of
         its process tree is left after ``grace`` seconds (by id and start time)."""
-        proc = self.serve.proc
+        proc = self.serve.process
         tree = _descendants(proc.pid) if proc.poll() is None else []
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -373,10 +349,6 @@ class Service:
         try:
             proc.wait(timeout=5)
         except Exception:  # noqa: BLE001
-            pass
-        try:
-            self.serve.log.close()
-        except OSError:
             pass
         shutil.rmtree(self.tmp, ignore_errors=True)
 

@@ -37,6 +37,7 @@ import httpx
 from benchmarks.soak import process_memory
 from embgeom.corpora import bbc_texts
 from embgeom.store.server import free_port
+from embgeom.testing.serve import ServiceProcess
 
 REPO = Path(__file__).resolve().parent.parent
 EMBGEOM = str(Path(sys.executable).with_name("embgeom"))
@@ -70,26 +71,18 @@ class Serve:
     """One ``embgeom serve`` on ``data_dir``, its pid, its children, an HTTP client."""
 
     def __init__(self, data_dir: Path, port: Optional[int] = None):
-        self.port = port or free_port()
-        env = {**os.environ, "EMBGEOM_MAX_LOADED_MODELS": "1", "HF_HUB_OFFLINE": "1",
-               "TRANSFORMERS_OFFLINE": "1"}
-        self.log = open(data_dir.parent / f"serve-{self.port}.log", "w")
-        self.proc = subprocess.Popen([EMBGEOM, "serve", "--port", str(self.port), "--data-dir", str(data_dir)],
-                                     env=env, stdout=self.log, stderr=subprocess.STDOUT, cwd=data_dir.parent)
-        self.http = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=120)
+        port = port or free_port()
+        self.log_path = data_dir.parent / f"serve-{port}.log"
+        self.service = ServiceProcess.serve(
+            data_dir=data_dir, port=port, program=[EMBGEOM], cwd=data_dir.parent, log_path=self.log_path,
+            env={"EMBGEOM_MAX_LOADED_MODELS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}).start()
+        self.proc = self.service.process
+        self.http = httpx.Client(base_url=self.service.url, timeout=120)
 
     def ready(self, timeout: float = 180) -> "Serve":
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"serve exited {self.proc.returncode}: see {self.log.name}")
-            try:
-                if self.http.get("/readyz").status_code == 200 and "worker" in children(self.proc.pid):
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError("serve not ready")
+        """Ready, and its worker process started."""
+        self.service.wait_ready(timeout, ready=lambda: "worker" in children(self.proc.pid))
+        return self
 
     def worker(self) -> int:
         return children(self.proc.pid)["worker"]
@@ -107,13 +100,7 @@ class Serve:
 
     def close(self) -> None:
         self.http.close()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        self.log.close()
+        self.service.terminate(60)
 
 
 @contextmanager
@@ -228,7 +215,7 @@ def folder(tmp: Path) -> dict:
         for pid in survivors.values():  # the old behaviour's orphans: not left behind
             os.kill(pid, signal.SIGKILL)
     out = {"children_alive_after_serve_sigkill": survivors, "second_serve_exit_code": code,
-           "second_serve_said": Path(second.log.name).read_text().strip().splitlines()[-1:],
+           "second_serve_said": second.log_path.read_text().strip().splitlines()[-1:],
            "redis_servers_on_folder": len(servers)}
     print(json.dumps(out), flush=True)
     return out

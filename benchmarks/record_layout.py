@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
@@ -164,21 +162,18 @@ def measure_shape(r, shape: str, checkpoints: int, repeats: int = 3,
 
 def run(shapes: list[str], checkpoints: int, groupings=(None, 2, 1)) -> list[dict]:
     from embgeom.store.connection import redis_client
-    from embgeom.store.server import RedisServer
+    from embgeom.testing.redis import private_redis
 
     out = []
     for shape in shapes:
-        folder = Path(tempfile.mkdtemp(prefix="embgeom-layout-"))
-        server = RedisServer(folder / "redis").start(timeout=120)
-        r = redis_client(server.url)
-        try:
-            for res in measure_shape(r, shape, checkpoints, groupings=groupings):
-                print(json.dumps(res), flush=True)
-                out.append(res)
-        finally:
-            r.close()
-            server.kill()
-            shutil.rmtree(folder, ignore_errors=True)
+        with private_redis(timeout=120, prefix="embgeom-layout-") as server:
+            r = redis_client(server.url)
+            try:
+                for res in measure_shape(r, shape, checkpoints, groupings=groupings):
+                    print(json.dumps(res), flush=True)
+                    out.append(res)
+            finally:
+                r.close()
     return out
 
 

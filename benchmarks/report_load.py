@@ -26,11 +26,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -39,8 +36,9 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.run import REPO, ServeProcess, _env, _wait_http, wrk
-from embgeom.store.server import RedisServer
+from benchmarks.run import REPO, serve_process, worker_process, wrk
+from embgeom.testing.redis import private_redis
+from embgeom.testing.serve import ServiceProcess, offline_env
 
 BASE = "/v1/collections/c/models/minilm"
 LAYER = 3
@@ -55,12 +53,10 @@ def build_store(url: str, texts: int, tmp: Path) -> None:
     """Ingest ``texts`` BBC paragraphs into ``c``/minilm through a real worker process."""
     from embgeom.corpora import bbc_texts
 
-    api = ServeProcess(tmp, ["--redis-url", url])
-    worker = subprocess.Popen([sys.executable, "-m", "embgeom.cli", "--log-level", "warning", "worker",
-                               "--redis-url", url], env=_env(), cwd=REPO, start_new_session=True,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    api = serve_process(tmp, ("--redis-url", url))
+    worker = worker_process(url)
     try:
-        _wait_http(api.url)
+        api.wait_ready(path="/healthz")
         paras = [p for p in bbc_texts("paragraphs") if 40 <= len(p) <= 400][:texts]
         with httpx.Client(base_url=api.url, timeout=60) as client:
             assert client.put("/v1/collections/c", json={"cross_layer": True}).status_code == 201
@@ -71,9 +67,8 @@ def build_store(url: str, texts: int, tmp: Path) -> None:
                       client.get("/v1/jobs", params={"ids": ",".join(ids)}).json()):
                 time.sleep(0.5)
     finally:
-        os.killpg(worker.pid, signal.SIGKILL)
-        worker.wait()
-        api.stop()
+        worker.kill()
+        api.terminate()
 
 
 class Counter:
@@ -100,7 +95,7 @@ def measure(url: str, tree: Path, tmp: Path, seconds: int) -> dict:
     out: dict = {"tree": str(tree)}
     fresh = Counter(1000)
     try:
-        _wait_http(api.url)
+        api.wait_ready(path="/healthz")
         with httpx.Client(base_url=api.url, timeout=60) as client:
             page = client.get(f"{BASE}/layers/{LAYER}/tokens", params={"limit": 10000}).json()
             paths = [f"{BASE}/layers/{LAYER}/tokens/{t['token_id']}" for t in page["tokens"]]
@@ -160,7 +155,7 @@ def measure(url: str, tree: Path, tmp: Path, seconds: int) -> dict:
                        healthz_max_ms_drawing=max(health), healthz_p50_ms_drawing=statistics.median(health))
             out["report_ingesting"] = pages_while_ingesting(client, url, seconds * 4)
     finally:
-        api.stop()
+        api.terminate()
     return out
 
 
@@ -169,9 +164,7 @@ def pages_while_ingesting(client: httpx.Client, url: str, seconds: float) -> dic
     from embgeom.corpora import bbc_texts
 
     paras = [p for p in bbc_texts("paragraphs") if 40 <= len(p) <= 400]
-    worker = subprocess.Popen([sys.executable, "-m", "embgeom.cli", "--log-level", "warning", "worker",
-                               "--redis-url", url], env=_env(), cwd=REPO, start_new_session=True,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    worker = worker_process(url)
     stop, lat, caches, jobs = threading.Event(), [], [], []
 
     def feed():
@@ -198,27 +191,17 @@ def pages_while_ingesting(client: httpx.Client, url: str, seconds: float) -> dic
         stop.set()
         [t.join() for t in threads]
     finally:
-        os.killpg(worker.pid, signal.SIGKILL)
-        worker.wait()
+        worker.kill()
     return {"pages": len(lat), "p50_s": statistics.median(lat), "p99_s": _pct(lat, 0.99),
             "max_s": max(lat), "jobs": len(jobs),
             **{f"answers_{k}": caches.count(k) for k in ("miss", "hit", "stale")}}
 
 
-def _serve(tree: Path, url: str, tmp: Path) -> ServeProcess:
+def _serve(tree: Path, url: str, tmp: Path) -> ServiceProcess:
     """``embgeom serve --redis-url url`` of ``tree`` (its cwd and first on the path: ``-m``
-    imports from the cwd first)."""
-    api = ServeProcess.__new__(ServeProcess)
-    from embgeom.store.server import free_port
-
-    api.port = free_port()
-    api.url = f"http://127.0.0.1:{api.port}"
-    api.log = open(tmp / "serve.log", "ab")
-    api.proc = subprocess.Popen(
-        [sys.executable, "-m", "embgeom.cli", "--log-level", "warning", "serve", "--port",
-         str(api.port), "--redis-url", url], cwd=tree, env={**_env(), "PYTHONPATH": str(tree)},
-        stdout=api.log, stderr=subprocess.STDOUT, start_new_session=True)
-    return api
+    imports from the cwd first), started."""
+    return ServiceProcess.serve(redis_url=url, log_level="warning", cwd=tree,
+                                env=offline_env(PYTHONPATH=str(tree)), log_path=tmp / "serve.log").start()
 
 
 def main(argv=None) -> int:
@@ -231,20 +214,19 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     trees = args.tree or [REPO]
     tmp = Path(tempfile.mkdtemp(prefix="embgeom-report-load-"))
-    server = RedisServer(tmp / "redis").start()
     results = []
     try:
-        t = time.perf_counter()
-        build_store(server.url, args.texts, tmp)
-        print(f"store: {args.texts} texts in {time.perf_counter() - t:.0f} s", file=sys.stderr)
-        for round_ in range(args.repeat):
-            for tree in trees:
-                res = measure(server.url, tree.resolve(), tmp, args.seconds)
-                res["round"] = round_
-                print(json.dumps(res), file=sys.stderr, flush=True)
-                results.append(res)
+        with private_redis(tmp) as server:
+            t = time.perf_counter()
+            build_store(server.url, args.texts, tmp)
+            print(f"store: {args.texts} texts in {time.perf_counter() - t:.0f} s", file=sys.stderr)
+            for round_ in range(args.repeat):
+                for tree in trees:
+                    res = measure(server.url, tree.resolve(), tmp, args.seconds)
+                    res["round"] = round_
+                    print(json.dumps(res), file=sys.stderr, flush=True)
+                    results.append(res)
     finally:
-        server.kill()
         shutil.rmtree(tmp, ignore_errors=True)
     print(json.dumps(results, indent=1))
     if args.json:

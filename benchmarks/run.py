@@ -62,6 +62,8 @@ import numpy as np
 
 from benchmarks.replay import prepare_collection, record_bbc, replay_worker, submit_replay_jobs
 from benchmarks.shapes import REPLAY_SHAPES
+from embgeom.testing.redis import private_redis
+from embgeom.testing.serve import ServiceProcess, offline_env
 
 REPO = Path(__file__).resolve().parent.parent
 TARGETS = {
@@ -83,11 +85,6 @@ TARGETS = {
     "redis_bytes_per_token_layer_over_raw.self_similarity_off": ("<=", 1.25),
 }
 SLOW_US = 1000  # SLOWLOG threshold: commands over 1 ms are kept
-
-
-def _env() -> dict:
-    return {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-            "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 
 class Slowest:
@@ -220,23 +217,22 @@ def _percentile_ms(stats, name: str) -> Optional[float]:
 
 
 @contextlib.contextmanager
-def redis_server(slowest: Optional[Slowest] = None, where: str = ""):
+def redis_server(slowest: Optional[Slowest] = None, where: str = "", prefix: str = "embgeom-bench-"):
+    """A new Redis as the service starts its own (:class:`embgeom.store.server.RedisServer`:
+    AOF, ``appendfsync always``) in a temporary folder, and a client; ``slowest`` watches it
+    under the name ``where``."""
     from embgeom.store.connection import redis_client
-    from embgeom.store.server import RedisServer
 
-    folder = Path(tempfile.mkdtemp(prefix="embgeom-bench-"))
-    server = RedisServer(folder / "redis").start(timeout=120)
-    client = redis_client(server.url)
-    if slowest:
-        slowest.watch(client, where)
-    try:
-        yield server, client
-    finally:
+    with private_redis(timeout=120, prefix=prefix) as server:
+        client = redis_client(server.url)
         if slowest:
-            slowest.collect(client, where)
-        client.close()
-        server.kill()
-        shutil.rmtree(folder, ignore_errors=True)
+            slowest.watch(client, where)
+        try:
+            yield server, client
+        finally:
+            if slowest:
+                slowest.collect(client, where)
+            client.close()
 
 
 # ------------------------------------------------------------------------- machine
@@ -344,38 +340,18 @@ def bare_forward(loaded, jobs: list[list[str]], token_budget: int,
     return time.perf_counter() - start, counted
 
 
-class ServeProcess:
-    def __init__(self, data: Path, extra: Optional[list] = None, env: Optional[dict] = None):
-        from embgeom.store.server import free_port
+def serve_process(tmp: Path, extra: tuple = (), env: Optional[dict] = None) -> ServiceProcess:
+    """``embgeom serve`` started (log level warning, offline), its data in ``tmp``/data and
+    its output in ``tmp``/serve.log; ``extra`` arguments, ``env`` added to its environment."""
+    return ServiceProcess.serve(data_dir=tmp / "data", extra=extra, log_level="warning",
+                                env=offline_env(**(env or {})), log_path=tmp / "serve.log").start()
 
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(data / "serve.log", "ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "embgeom.cli", "--log-level", "warning", "serve", "--port",
-             str(self.port), "--data-dir", str(data / "data"), *(extra or [])],
-            cwd=REPO, env={**_env(), **(env or {})}, stdout=self.log, stderr=subprocess.STDOUT,
-            start_new_session=True)
 
-    def wait_ready(self, timeout: float = 180) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError("embgeom serve did not become ready")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-        self.log.close()
+def worker_process(redis_url: str, env: Optional[dict] = None) -> ServiceProcess:
+    """``embgeom worker`` on ``redis_url`` started (log level warning, offline, its output
+    discarded), at this process's priority."""
+    return ServiceProcess(["--log-level", "warning", "worker", "--redis-url", redis_url],
+                          env=offline_env(**(env or {}))).start()
 
 
 def serve_env() -> dict:
@@ -455,10 +431,10 @@ def bench_e2e(repeat: int, quick: bool, large: bool = True, large_texts: Optiona
     loaded = ModelPool(ModelRegistry.from_settings(settings), "cpu", max_models=1).get("minilm")
     bare_forward(loaded, [texts[:20]], settings.token_budget)  # warm-up
     tmp = Path(tempfile.mkdtemp(prefix="embgeom-bench-e2e-"))
-    serve = ServeProcess(tmp, env=serve_env())
+    serve = serve_process(tmp, env=serve_env())
     out = {}
     try:
-        serve.wait_ready()
+        serve.wait_ready(180)
         with httpx.Client(base_url=serve.url, timeout=120) as client:
             run_jobs(client, "warm", [texts[:10]])  # the worker loads its model
             out["e2e_cpu"] = _e2e_ratio(client, loaded, jobs, settings.token_budget, repeat, "e2e")
@@ -472,7 +448,7 @@ def bench_e2e(repeat: int, quick: bool, large: bool = True, large_texts: Optiona
                     "note": "" if len(big) >= E2E_20K else
                             f"quick: {len(big):,} of {E2E_20K:,} sentences (the full run measures all)"}
     finally:
-        serve.stop()
+        serve.terminate()
         shutil.rmtree(tmp, ignore_errors=True)
     return out
 
@@ -483,10 +459,10 @@ def bench_cross_layer(repeat: int, quick: bool) -> dict:
     texts = e2e_texts(400 if quick else 2000)
     jobs = split_jobs(texts)
     tmp = Path(tempfile.mkdtemp(prefix="embgeom-bench-xl-"))
-    serve = ServeProcess(tmp)
+    serve = serve_process(tmp)
     off, on = [], []
     try:
-        serve.wait_ready()
+        serve.wait_ready(180)
         with httpx.Client(base_url=serve.url, timeout=120) as client:
             run_jobs(client, "warm", [texts[:10]])  # the worker loads its model
             for r in range(repeat):
@@ -496,7 +472,7 @@ def bench_cross_layer(repeat: int, quick: bool) -> dict:
                     seconds, tokens = run_jobs(client, name, jobs)
                     (on if cross else off).append(tokens / seconds)
     finally:
-        serve.stop()
+        serve.terminate()
         shutil.rmtree(tmp, ignore_errors=True)
     return {"texts": len(texts), "jobs": len(jobs), "tokens": tokens, "repeats": repeat,
             "tok_s_off": statistics.median(off), "tok_s_on": statistics.median(on),
@@ -757,18 +733,6 @@ def parse_wrk(out: str) -> dict:
             "non_2xx": int(errors.group(1)) if errors else 0}
 
 
-def _wait_http(url: str, path: str = "/healthz", timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if httpx.get(f"{url}{path}", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, f"{url}{path} did not answer"
-        time.sleep(0.2)
-
-
 def uncached_summaries(client: httpx.Client, redis_url: str, path: str, count: int,
                        collection: str = "c", shape: str = "minilm") -> list[tuple[float, object]]:
     """``count`` timings (ms) of ``GET path``, each after a fresh checkpoint into
@@ -810,10 +774,10 @@ def bench_reads(server_url: str, slowest: Slowest, quick: bool) -> dict:
     a fresh checkpoint before each request; token lookups again while a real MiniLM
     worker at normal priority ingests BBC into the same collection."""
     tmp = Path(tempfile.mkdtemp(prefix="embgeom-bench-reads-"))
-    api = ServeProcess(tmp, ["--redis-url", server_url])
+    api = serve_process(tmp, ("--redis-url", server_url))
     worker = None
     try:
-        _wait_http(api.url)
+        api.wait_ready(path="/healthz")
         base = "/v1/collections/c/models/minilm/layers"
         with httpx.Client(base_url=api.url, timeout=60) as client:
             page = client.get(f"{base}/3/tokens", params={"limit": 10000}).json()
@@ -826,11 +790,7 @@ def bench_reads(server_url: str, slowest: Slowest, quick: bool) -> dict:
             from embgeom.corpora import bbc_texts
 
             texts = bbc_texts("paragraphs")[:2000]
-            env = {**_env(), "EMBGEOM_REDIS_URL": server_url}
-            worker = subprocess.Popen([sys.executable, "-m", "embgeom.cli", "--log-level", "warning",
-                                       "worker", "--redis-url", server_url], env=env, cwd=REPO,
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                      start_new_session=True)
+            worker = worker_process(server_url, env={"EMBGEOM_REDIS_URL": server_url})
             jobs = split_jobs(texts)
             ids = [client.post("/v1/jobs", json={"collection": "c", "model": "minilm",
                                                  "texts": job}).json()["job_id"] for job in jobs]
@@ -852,9 +812,8 @@ def bench_reads(server_url: str, slowest: Slowest, quick: bool) -> dict:
             ingested = texts_done() - before
     finally:
         if worker is not None:
-            os.killpg(worker.pid, signal.SIGKILL)
-            worker.wait()
-        api.stop()
+            worker.kill()
+        api.terminate()
         shutil.rmtree(tmp, ignore_errors=True)
     ms = [m for m, _ in summary]
     return {"token_p99_ms_32": idle["p99_ms"], "token_p50_ms_32": idle["p50_ms"],
@@ -893,7 +852,7 @@ def bench_workers(slowest: Slowest, quick: bool, counts=(1, 2, 4)) -> dict:
             procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.replay", "--redis-url", server.url,
                                        "--shape", "minilm", "--worker-id", f"w{i}",
                                        "--stats", str(tmp / f"w{i}.json"),
-                                       "--ready", str(tmp / f"w{i}.ready")], cwd=REPO, env=_env())
+                                       "--ready", str(tmp / f"w{i}.ready")], cwd=REPO, env=offline_env())
                      for i in range(W)]
             # The clock starts once every process has imported torch, tokenised BBC and
             # built its engine (each says so in its ready file), with the jobs submitted.

@@ -1,15 +1,7 @@
-"""Model shapes the benchmarks and the memory figures refer to."""
+"""Synthetic model shapes the host-side benchmarks replay (the packaged models' shapes:
+:data:`embgeom.testing.models.DENSE_MODELS`)."""
 
 from __future__ import annotations
-
-# (vocab, hidden_states entries = blocks + 1, d) of the models the design names; the
-# dense per-vocabulary float64 array the service must never allocate is their product x 8.
-DENSE_MODELS: dict[str, tuple[int, int, int]] = {
-    "all-MiniLM-L6-v2": (30522, 7, 384),
-    "all-mpnet-base-v2": (30527, 13, 768),
-    "SmolLM2-135M": (49152, 31, 576),
-    "gemma-3-270m": (262144, 19, 640),
-}
 
 # Synthetic shapes of the host-ceiling benchmark: (hidden_states, d, kept layers, self-sim).
 REPLAY_SHAPES: dict[str, dict] = {
@@ -23,6 +15,3 @@ REPLAY_SHAPES: dict[str, dict] = {
                           "self_similarity": False},
 }
 
-
-def dense_bytes(vocab: int, layers: int, d: int) -> int:
-    return vocab * layers * d * 8

@@ -34,14 +34,11 @@ tokenizer, corpus or packaged model needed; see ``benchmarks/gpu_steady.sh``).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
 import math
 import os
-import shutil
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -284,29 +281,6 @@ class ReplayRegistry:
 # ----------------------------------------------------------------------- redis
 
 
-@contextlib.contextmanager
-def fresh_redis(slowest=None, where: str = ""):
-    """A new Redis as the service starts its own (:class:`embgeom.store.server.RedisServer`:
-    AOF, ``appendfsync always``), in a temporary folder; ``slowest`` (a
-    ``benchmarks.run.Slowest``) watches it."""
-    from embgeom.store.connection import redis_client
-    from embgeom.store.server import RedisServer
-
-    folder = Path(tempfile.mkdtemp(prefix="embgeom-steady-"))
-    server = RedisServer(folder / "redis").start(timeout=120)
-    client = redis_client(server.url)
-    if slowest is not None:
-        slowest.watch(client)
-    try:
-        yield server, client
-    finally:
-        if slowest is not None:
-            slowest.collect(client, where)
-        client.close()
-        server.kill()
-        shutil.rmtree(folder, ignore_errors=True)
-
-
 def store_types(client, collection: str) -> int:
     """Token types the pair's shard aggregates count."""
     from embgeom.store.keys import PairKeys
@@ -444,7 +418,9 @@ def steady_shape(shape: str, recording: Recording, tokens: int, device: str = "c
     engine = SteadyEngine(recording, L, spec["d"], spec["self_similarity"], device, seed, seed_rows)
     registry = ReplayRegistry(spec, getattr(recording, "window", None) or recording_window())
     per_job = [int(x) for x in job_tokens(recording)]
-    with fresh_redis(slowest, f"steady_state {shape}") as (server, client):
+    from benchmarks.run import redis_server
+
+    with redis_server(slowest, f"steady_state {shape}", prefix="embgeom-steady-") as (server, client):
         from benchmarks.replay import prepare_collection
 
         prepare_collection(client, "c", shape)

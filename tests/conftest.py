@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -21,20 +18,17 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from embgeom.store.server import RedisServer, free_port  # noqa: E402
 from embgeom.settings import Settings  # noqa: E402
-
-REPO = Path(__file__).resolve().parent.parent
+from embgeom.store.server import RedisServer  # noqa: E402
+from embgeom.testing.redis import private_redis  # noqa: E402
+from embgeom.testing.serve import ServiceProcess  # noqa: E402
 
 
 @pytest.fixture
 def redis_server(tmp_path) -> Iterator[RedisServer]:
     """A fresh redis-server (AOF, appendfsync always) in this test's tmp dir."""
-    server = RedisServer(tmp_path / "redis").start()
-    try:
+    with private_redis(tmp_path) as server:
         yield server
-    finally:
-        server.kill()
 
 
 def test_settings(redis_url: str, **overrides) -> Settings:
@@ -73,72 +67,21 @@ def app_with_worker(tmp_path_factory) -> Iterator:
 
     from service.app import create_app
 
-    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
-    settings = test_settings(server.url)
-    try:
+    with private_redis(tmp_path_factory.mktemp("redis")) as server:
+        settings = test_settings(server.url)
         with TestClient(create_app(settings), raise_server_exceptions=False) as c, \
                 WorkerThread(settings):
             yield c
-    finally:
-        server.kill()
-
-
-class ServiceProcess:
-    """``embgeom serve`` (or ``embgeom worker``) as a real child process."""
-
-    def __init__(self, args: list[str], env: dict | None = None, log_path: Path | None = None):
-        self.args = args
-        self.env = {**os.environ, **(env or {})}
-        self.log_path = log_path
-        self.process: subprocess.Popen | None = None
-
-    def start(self) -> "ServiceProcess":
-        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
-        self.process = subprocess.Popen([sys.executable, "-m", "embgeom.cli", *self.args],
-                                        cwd=REPO, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                        start_new_session=True)
-        return self
-
-    def terminate(self, timeout: float = 60) -> int:
-        if self.process and self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                return self.process.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        return self.process.returncode if self.process else 0
-
-    def kill(self) -> None:
-        if self.process and self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait(timeout=30)
-
-
-def wait_ready(url: str, timeout: float = 120, process: ServiceProcess | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process is not None and process.process.poll() is not None:
-            raise RuntimeError(f"service exited with {process.process.returncode}")
-        try:
-            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"{url} not ready after {timeout}s")
 
 
 @pytest.fixture
 def embedded_service(tmp_path) -> Iterator[tuple[str, Path]]:
     """``embgeom serve`` on its embedded default (own Redis + in-process worker)."""
-    port = free_port()
     data = tmp_path / "data"
-    proc = ServiceProcess(["serve", "--port", str(port), "--data-dir", str(data)],
-                          log_path=tmp_path / "serve.log").start()
-    url = f"http://127.0.0.1:{port}"
+    proc = ServiceProcess.serve(data_dir=data, log_path=tmp_path / "serve.log").start()
     try:
-        wait_ready(url, process=proc)
-        yield url, data
+        proc.wait_ready()
+        yield proc.url, data
     finally:
         proc.terminate()
 

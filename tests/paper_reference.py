@@ -43,7 +43,7 @@ What we change (the numerics)
 
 Keys may be the paper's strings (``key="paper"``) or vocabulary ids (``key="id"``), and the
 added special tokens may be dropped (``include_special=False``): with both, the token unit
-counts exactly what ``tests/reference.py`` and the service count by default.
+counts exactly what ``embgeom/testing/reference.py`` and the service count by default.
 """
 
 from __future__ import annotations

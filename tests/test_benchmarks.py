@@ -19,8 +19,9 @@ from embgeom.compute.catalogue import ModelRegistry
 from embgeom.compute.models import ModelPool
 from embgeom.corpora import bbc_texts
 from embgeom.settings import Settings
+from embgeom.testing.models import DENSE_MODELS
 from benchmarks.replay import record_bbc
-from benchmarks.shapes import DENSE_MODELS, REPLAY_SHAPES
+from benchmarks.shapes import REPLAY_SHAPES
 
 
 def test_recording_is_the_services_own_batching():
@@ -140,7 +141,7 @@ def test_peak_bf16_is_looked_up_by_device_name():
 def test_gpt2_random_is_seeded_and_loads_as_an_alias(tmp_path):
     import torch
 
-    from benchmarks.gpu import build_gpt2_random
+    from embgeom.testing.models import build_gpt2_random
     from embgeom.compute.catalogue import ModelRegistry
     from embgeom.compute.models import ModelPool
     from embgeom.settings import ModelSource

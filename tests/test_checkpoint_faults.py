@@ -10,7 +10,7 @@ so that window lasts seconds.
 
 Yardstick: every per-token count equals the tokenizer's own count of the texts, at every
 layer, and every per-token Q/M/V equals the one-text-at-a-time float64 reference
-(:mod:`tests.reference`) within 1e-4 of Q_t (float32 forward noise across batch
+(:mod:`embgeom.testing.reference`) within 1e-4 of Q_t (float32 forward noise across batch
 compositions is ~1e-5; a token counted twice or missed is an O(1) error).
 """
 
@@ -28,7 +28,7 @@ from embgeom.corpora import bbc_texts
 from embgeom.sources import minilm_path
 from embgeom.store import keys as K
 from embgeom.store.server import RedisServer, free_port
-from tests.reference import raw_hidden_states, token_stats
+from embgeom.testing.reference import raw_hidden_states, token_stats
 from tests.test_scale_out import (
     MODEL, api, expected_counts, fleet, post_job, redis_at, stream_state, wait_for_jobs,
     walk_tokens,

@@ -22,7 +22,7 @@ import pytest
 
 from embgeom.inputs import InputError, input_format, read_input_texts
 from embgeom.figures import FIGURES
-from tests.conftest import REPO
+from embgeom.testing.serve import REPO
 
 
 def _cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:

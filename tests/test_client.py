@@ -21,7 +21,8 @@ import pytest
 from embgeom.client import ApiError, EmbgeomClient
 from embgeom.inputs import MAX_JOB_BYTES, chunk_texts, idempotency_key, read_texts
 from embgeom.tables import TABLE_COLUMNS, format_table
-from tests.conftest import REPO, wait_for_jobs
+from embgeom.testing.serve import REPO
+from tests.conftest import wait_for_jobs
 
 
 # --------------------------------------------------------------------- chunking

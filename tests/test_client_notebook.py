@@ -26,10 +26,9 @@ from PIL import Image
 
 from embgeom import api_types
 from embgeom.client import ApiError, AsyncEmbgeomClient, Call, Calls, EmbgeomClient, Figure, Report
-from embgeom.store.server import free_port
 from embgeom.tables import isotropy_rows
 from service.openapi_export import PATH as OPENAPI_PATH, TYPES_PATH, api_types as render_api_types
-from tests.conftest import ServiceProcess, wait_ready
+from embgeom.testing.serve import ServiceProcess
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -125,12 +124,10 @@ def ingested(tmp_path_factory):
     from embgeom.corpora import bbc_texts
 
     tmp = tmp_path_factory.mktemp("notebook")
-    port = free_port()
-    proc = ServiceProcess(["serve", "--port", str(port), "--data-dir", str(tmp / "data")],
-                          log_path=tmp / "serve.log").start()
-    url = f"http://127.0.0.1:{port}"
+    proc = ServiceProcess.serve(data_dir=tmp / "data", log_path=tmp / "serve.log").start()
+    url = proc.url
     try:
-        wait_ready(url, process=proc)
+        proc.wait_ready()
         texts = bbc_texts("paragraphs")[:2 * TEXTS_PER_JOB]
         with EmbgeomClient(url) as client:
             ids = [client.submit(texts[i:i + TEXTS_PER_JOB], "nb", "minilm")

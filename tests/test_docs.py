@@ -16,7 +16,7 @@ from urllib.parse import unquote
 import pytest
 
 from benchmarks import docs_tables
-from tests.conftest import REPO
+from embgeom.testing.serve import REPO
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 LINKED = [*PAGES, REPO / "CHANGELOG.md"]  # every page whose links must resolve

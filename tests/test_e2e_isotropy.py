@@ -12,7 +12,7 @@ ingested three times through ``POST /v1/jobs``:
 
 plus ``iso_tiny`` (2 sentences) for the IsoScore* reference-covariance convention.
 
-The reference is ``tests.reference.raw_hidden_states``: the model run one text at a time,
+The reference is ``embgeom.testing.reference.raw_hidden_states``: the model run one text at a time,
 no padding, no windows, no batching, returning the float32 hidden states of every counted
 position. Every reference statistic is a two-pass float64 numpy / sklearn / isoscore
 computation over those raw states; none of it goes through the service's accumulators.
@@ -66,7 +66,7 @@ from embgeom.store.server import RedisServer
 from service.app import create_app
 from tests.conftest import WorkerThread, wait_for_jobs
 from tests.conftest import test_settings as make_settings
-from tests.reference import raw_hidden_states, token_stats
+from embgeom.testing.reference import raw_hidden_states, token_stats
 
 pytestmark = pytest.mark.slow
 
@@ -129,7 +129,7 @@ class World:
     _sample: object = None
 
     def token_stats(self, l: int) -> dict:
-        """Per token type, two-pass float64 (tests.reference.token_stats): ids, n, means."""
+        """Per token type, two-pass float64 (embgeom.testing.reference.token_stats): ids, n, means."""
         if l not in self._tokens:
             self._tokens[l] = token_stats(self.ids, self.states[l].astype(np.float64))
         return self._tokens[l]
@@ -618,7 +618,7 @@ def package_star(P: np.ndarray, C0: np.ndarray, zeta: float) -> float:
 @pytest.mark.parametrize("layer", [0, 3, 6])
 def test_isotropy_sample_matches_isoscore_star(world, layer):
     """IsoScore / IsoScore* of a 12-paragraph sample (~900 points) vs the isoscore package
-    on the sample's raw states (tests.reference.raw_hidden_states, float64).
+    on the sample's raw states (embgeom.testing.reference.raw_hidden_states, float64).
 
     The API runs the sample batched, the reference one text at a time: the points differ
     by the forward noise (~1e-6 relative) and IsoScore* is a smooth function of the shrunk

@@ -1,6 +1,6 @@
 """End to end: real BBC paragraphs -> HTTP -> `embgeom serve` (embedded Redis + worker,
 a real child process) running the packaged all-MiniLM-L6-v2 -> every read endpoint,
-checked against tests/reference.py on the same weights (one text at a time, no padding,
+checked against embgeom/testing/reference.py on the same weights (one text at a time, no padding,
 no batching, two-pass float64 over the raw hidden states).
 
 One service serves every check (starting it and loading the model is the slow part), so
@@ -47,7 +47,9 @@ import torch
 
 from embgeom.corpora import bbc_texts
 from embgeom.sources import minilm_path
-from tests import reference as R
+from embgeom.testing import reference as R
+from embgeom.testing.reference import TOL  # decomposition and per-token values, relative to Q
+from tests.reference import summary
 from tests.conftest import wait_for_jobs
 
 pytestmark = pytest.mark.slow
@@ -55,7 +57,6 @@ pytestmark = pytest.mark.slow
 MODEL = "minilm"
 NUM_LAYERS = 7  # hidden_states of a 6-block BERT: embedding output + 6 blocks
 N_TEXTS = 200
-TOL = 1e-4          # decomposition and per-token values, relative to Q
 TOL_SUMMARY = 1e-3  # cv_Q, slope, r2
 TOL_RECHUNK = 1e-5  # same texts, other jobs and order
 FILTER = {"min_count": 2, "max_count": 1000}
@@ -253,12 +254,12 @@ def check_layers(c: Checks, client, collection, raw, params):
     c.equal(f"{tag} layer numbers", [row["layer"] for row in rows], list(range(NUM_LAYERS)))
     for layer, row in enumerate(rows):
         ref = R.decomposition(raw.ids, raw.states[layer], **params)
-        summ = R.summary(ref["types"])
+        summ = summary(ref["types"])
         label = f"{collection} {tag} L{layer}"
         c.equal(f"{label} n", row["n"], ref["n"])
         c.equal(f"{label} num_types", row["num_types"], ref["num_types"])
         # Each against the reference computed point by point from the raw states: its V_B
-        # is the spread of the per-token means (tests/reference.py), never V - V_W.
+        # is the spread of the per-token means (embgeom/testing/reference.py), never V - V_W.
         for q in ("Q", "M", "V", "V_W", "V_B"):
             c.close(f"layer {q} ({tag})", f"{label} {q}", row[q], ref[q], ref["Q"], TOL)
         for q in ("cv_Q", "slope", "r2"):

@@ -16,7 +16,15 @@ from functools import lru_cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("embgeom", "service")
+PACKAGES = ("embgeom", "service", "benchmarks", "tests")
+# What tests and benchmarks share (embgeom/testing/): the product never imports it.
+TESTING = "embgeom.testing"
+# Tests that test the benchmarks themselves, and may import them. test_store pins the drift
+# that benchmarks/aggregates.py measures with that module's harness, which stays there:
+# ``--against`` runs it on another checkout's embgeom, one that may have no embgeom.testing.
+# test_docs checks the tables benchmarks/docs_tables.py writes into the docs.
+BENCHMARK_TESTS = ("tests.test_benchmarks", "tests.test_docs", "tests.test_soak", "tests.test_steady_state",
+                   "tests.test_store")
 HEAVY = ("torch", "transformers", "redis")
 # numpy only: the quantities and their formulas, no I/O (geometry/service.py reads the store).
 MATH = ("embgeom.stats", "embgeom.diagnostics", "embgeom.keyspace", "embgeom.geometry")
@@ -119,6 +127,40 @@ def test_the_service_never_imports_the_worker_even_lazily():
     assert not wrong, wrong
 
 
+def _importing(modules_: list[str], packages: tuple[str, ...]) -> dict[str, list[str]]:
+    """Module -> what it imports (lazily too) from ``packages``, where it imports any."""
+    wrong = {m: sorted(i for i in imports(m, lazy_too=True) if any(in_package(i, p) for p in packages))
+             for m in modules_}
+    return {m: names for m, names in wrong.items() if names}
+
+
+def test_the_shared_test_helpers_import_neither_tests_nor_benchmarks():
+    testing = [m for m in modules() if in_package(m, TESTING)]
+    assert f"{TESTING}.serve" in testing and f"{TESTING}.reference" in testing
+    wrong = _importing(testing, ("tests", "benchmarks"))
+    assert not wrong, wrong
+
+
+def test_the_benchmarks_import_no_test_module():
+    benchmarks = [m for m in modules() if in_package(m, "benchmarks")]
+    assert "benchmarks.soak.harness" in benchmarks
+    wrong = _importing(benchmarks, ("tests",))
+    assert not wrong, wrong
+
+
+def test_only_the_benchmarks_own_tests_import_the_benchmarks():
+    tests = [m for m in modules() if in_package(m, "tests") and m not in BENCHMARK_TESTS]
+    wrong = _importing(tests, ("benchmarks",))
+    assert not wrong, wrong
+
+
+def test_the_product_does_not_import_the_test_helpers():
+    product = [m for m in modules() if (in_package(m, "embgeom") and not in_package(m, TESTING))
+               or in_package(m, "service")]
+    wrong = _importing(product, (TESTING,))
+    assert not wrong, wrong
+
+
 def test_the_library_does_not_import_the_service():
     # The one exception is lazy: `embgeom serve` imports service.app inside its command.
     wrong = {m: sorted(i for i in imports(m) if in_package(i, "service"))
@@ -176,8 +218,8 @@ def test_no_import_cycle_among_the_projects_modules():
     assert not _cycles(graph), _cycles(graph)
 
 
-def test_importing_the_app_leaves_torch_transformers_and_the_worker_out():
-    heavy = ["torch", "transformers", "embgeom.worker", "embgeom.compute.models"]
+def test_importing_the_app_leaves_torch_transformers_the_worker_and_the_test_helpers_out():
+    heavy = ["torch", "transformers", "embgeom.worker", "embgeom.compute.models", TESTING]
     code = ("import sys, service.app; "
             f"print(' '.join(m for m in {heavy!r} if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,

@@ -19,8 +19,8 @@ import pytest
 
 from embgeom.lifetime import spawn
 from embgeom.settings import NOT_FOR_WORKERS, Settings
-from embgeom.store.server import DataDirBusy, RedisServer, free_port
-from tests.conftest import REPO, ServiceProcess, wait_ready
+from embgeom.store.server import DataDirBusy, RedisServer
+from embgeom.testing.serve import REPO, ServiceProcess, wait_ready
 
 SECRET = "s3cret-key-of-the-test"
 
@@ -88,10 +88,8 @@ def wait_gone(pids, timeout: float) -> list[int]:
 
 
 def serve(tmp_path: Path, data: Path, name: str, env=None) -> tuple[ServiceProcess, str]:
-    port = free_port()
-    proc = ServiceProcess(["serve", "--port", str(port), "--data-dir", str(data)], env=env,
-                          log_path=tmp_path / f"{name}.log").start()
-    return proc, f"http://127.0.0.1:{port}"
+    proc = ServiceProcess.serve(data_dir=data, env=env, log_path=tmp_path / f"{name}.log").start()
+    return proc, proc.url
 
 
 def embedded_children(proc: ServiceProcess, data: Path, timeout: float = 60) -> tuple[int, int]:
@@ -204,8 +202,10 @@ def _attribute_reads(tree: ast.AST) -> set[str]:
 
 def test_workers_never_read_the_settings_they_are_not_given():
     """A field of NOT_FOR_WORKERS read by worker code would silently take its default there."""
+    # embgeom/testing/ is no worker's: nothing of the product imports it (test_import_graph).
     worker_side = [p for p in (REPO / "embgeom").rglob("*.py")
-                   if p.name not in ("settings.py", "client.py", "cli.py")]
+                   if p.name not in ("settings.py", "client.py", "cli.py")
+                   and (REPO / "embgeom" / "testing") not in p.parents]
     for path in worker_side:
         used = _attribute_reads(ast.parse(path.read_text())) & NOT_FOR_WORKERS
         assert not used, f"{path.relative_to(REPO)} reads {used}"
@@ -259,7 +259,9 @@ def test_no_module_outside_settings_reads_the_environment():
     found = {}
     for folder in ("embgeom", "service"):
         for path in sorted((REPO / folder).rglob("*.py")):
-            if path == REPO / "embgeom" / "settings.py":
+            # embgeom/testing/ starts children for tests and benchmarks with this process's
+            # environment plus theirs; nothing of the product imports it (test_import_graph).
+            if path == REPO / "embgeom" / "settings.py" or REPO / "embgeom" / "testing" in path.parents:
                 continue
             lines = environment_reads(path.read_text())
             if lines:

@@ -22,7 +22,8 @@ import httpx
 import pytest
 
 from embgeom.store.server import RedisServer, free_port
-from tests.conftest import ServiceProcess, wait_for_jobs
+from embgeom.testing.serve import ServiceProcess
+from tests.conftest import wait_for_jobs
 from tests.test_scale_out import (
     MODEL, NUM_LAYERS, PARAGRAPHS, WORKER_ENV, expected_counts, fleet, post_job, walk_tokens,
 )
@@ -72,22 +73,13 @@ class Readers:
 def test_readers_and_ingestion_through_a_redis_restart(tmp_path):
     data, port = tmp_path / "redis", free_port()
     server = RedisServer(data, port=port).start(timeout=120)
-    api_port = free_port()
-    api = ServiceProcess(["serve", "--port", str(api_port), "--redis-url", server.url],
-                         env=WORKER_ENV, log_path=tmp_path / "serve.log").start()
-    base = f"http://127.0.0.1:{api_port}"
+    api = ServiceProcess.serve(redis_url=server.url, env=WORKER_ENV, log_path=tmp_path / "serve.log").start()
+    base = api.url
     try:
         with fleet(server.url, tmp_path) as fl, httpx.Client(base_url=base, timeout=60) as client:
             fl.start()
-            deadline = time.monotonic() + 120
-            while True:  # the API answers (no worker check: /readyz needs one live worker)
-                try:
-                    if client.get("/healthz").status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                assert time.monotonic() < deadline
-                time.sleep(0.2)
+            # The API answers (no worker check: /readyz needs one live worker).
+            api.wait_ready(timeout=120, path="/healthz")
             first = post_job(client, JOBS[0], "load", key="load-0")
             assert wait_for_jobs(client, [first], timeout=300)[0]["status"] == "done"
             token_ids = list(walk_tokens(client, "load", 3))[:200]

@@ -4,7 +4,7 @@ Unit checks run a fake two-layer "model" whose hidden states are small integers,
 expected number below is computed by hand. Two checks use the real all-MiniLM-L6-v2:
 
 * with keys = token ids and the added special tokens excluded, the paper reference counts
-  exactly what tests/reference.py counts, and agrees with its numbers within 1e-9;
+  exactly what embgeom/testing/reference.py counts, and agrees with its numbers within 1e-9;
 * the paper's own float32 running update loses the variance of [CLS]: on 600 short BBC
   sentences the [CLS] states of a middle layer are nearly identical (V/Q ~ 1e-6), and
   ``v = q - m`` in float32 misses V by tens of percent, while the two-pass float64 value of
@@ -262,7 +262,8 @@ def _short_bbc(count: int) -> list[str]:
 
 
 def test_minilm_ids_without_specials_agree_with_tests_reference(minilm, tokenizer):
-    from tests import reference as R
+    from embgeom.testing import reference as R
+    from tests.reference import summary
 
     texts = _short_bbc(30)
     assert len(texts) == 30
@@ -285,7 +286,7 @@ def test_minilm_ids_without_specials_agree_with_tests_reference(minilm, tokenize
         assert (s["n"], s["num_types"]) == (dec["n"], dec["num_types"])
         for name in ("Q", "M", "V", "V_W", "V_B"):
             assert s[name] == pytest.approx(dec[name], rel=1e-9, abs=1e-9 * dec["Q"]), name
-        summ = R.summary(dec["types"])
+        summ = summary(dec["types"])
         for name in ("cv_Q", "slope", "r2"):
             assert s[name] == pytest.approx(summ[name], rel=1e-9, abs=1e-12), name
     print(f"\n[paper_reference] MiniLM, 30 BBC sentences, keys = ids, no specials: "

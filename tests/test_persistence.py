@@ -28,8 +28,8 @@ import httpx
 import pytest
 
 from embgeom.corpora import bbc_texts
-from embgeom.store.server import free_port
-from tests.conftest import ServiceProcess, wait_for_jobs, wait_ready
+from embgeom.testing.serve import ServiceProcess
+from tests.conftest import wait_for_jobs
 
 pytestmark = pytest.mark.slow
 
@@ -40,11 +40,10 @@ QUANTITIES = ("Q", "M", "V", "V_W", "V_B")
 
 
 def start(data, log):
-    port = free_port()
-    proc = ServiceProcess(["serve", "--port", str(port), "--data-dir", str(data)], log_path=log).start()
-    url = f"http://127.0.0.1:{port}"
+    proc = ServiceProcess.serve(data_dir=data, log_path=log).start()
+    url = proc.url
     try:
-        wait_ready(url, process=proc)
+        proc.wait_ready()
     except Exception:
         proc.kill()
         raise

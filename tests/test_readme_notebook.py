@@ -15,8 +15,7 @@ import io
 import re
 from pathlib import Path
 
-from embgeom.store.server import free_port
-from tests.conftest import ServiceProcess, wait_ready
+from embgeom.testing.serve import ServiceProcess
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 URL_IN_README = "http://127.0.0.1:8080"
@@ -36,13 +35,11 @@ def test_the_readme_notebook_block_runs_as_written_on_a_fresh_service(tmp_path):
     assert URL_IN_README in block and 'open("corpus.txt"' in block and "compare_global" in block
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n".join(bbc_texts("paragraphs")[:120]), encoding="utf-8")
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
+    proc = ServiceProcess.serve(data_dir=tmp_path / "data", log_path=tmp_path / "serve.log").start()
+    url = proc.url
     code = block.replace(URL_IN_README, url).replace('"corpus.txt"', repr(str(corpus)))
-    proc = ServiceProcess(["serve", "--port", str(port), "--data-dir", str(tmp_path / "data")],
-                          log_path=tmp_path / "serve.log").start()
     try:
-        wait_ready(url, process=proc)
+        proc.wait_ready()
         compiled = compile(code, "README.md", "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
         scope: dict = {}
         printed = io.StringIO()

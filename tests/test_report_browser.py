@@ -27,7 +27,8 @@ import pytest
 
 from embgeom import figures
 from embgeom.corpora import bbc_texts
-from tests.conftest import REPO, wait_for_jobs
+from embgeom.testing.serve import REPO
+from tests.conftest import wait_for_jobs
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")

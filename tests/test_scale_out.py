@@ -47,8 +47,9 @@ from embgeom.store.server import RedisServer, free_port
 from embgeom.store.heartbeats import live_workers
 from embgeom.worker import Worker, redis_client
 from service.app import create_app
-from tests import reference as R
-from tests.conftest import ServiceProcess, WorkerThread, wait_for_jobs, wait_ready
+from embgeom.testing import reference as R
+from embgeom.testing.serve import ServiceProcess
+from tests.conftest import WorkerThread, wait_for_jobs
 from tests.conftest import test_settings as settings_for
 
 MODEL = "minilm"
@@ -464,15 +465,13 @@ def take(worker: Worker, timeout: float = 10):
 
 
 def test_three_workers_match_one_worker(server, tmp_path, reference, raw):
-    port = free_port()
-    serve = ServiceProcess(["serve", "--port", str(port), "--redis-url", server.url],
-                           env=WORKER_ENV, log_path=tmp_path / "serve.log").start()
-    base = f"http://127.0.0.1:{port}"
+    serve = ServiceProcess.serve(redis_url=server.url, env=WORKER_ENV, log_path=tmp_path / "serve.log").start()
+    base = serve.url
     try:
         with fleet(server.url, tmp_path) as fl, httpx.Client(base_url=base, timeout=60) as client:
             for _ in range(3):
                 fl.start()
-            wait_ready(base, process=serve)
+            serve.wait_ready()
             wait_workers(client, 3, fl=fl)
             ids = [post_job(client, texts, "three") for texts in JOB_TEXTS]
             final = wait_for_jobs(client, ids, timeout=900)

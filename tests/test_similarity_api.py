@@ -25,7 +25,7 @@ import torch
 from embgeom.corpora import bbc_texts
 from embgeom.sources import minilm_path
 from tests.conftest import wait_for_jobs
-from tests.reference import raw_hidden_states
+from embgeom.testing.reference import raw_hidden_states
 
 # 300 short paragraphs (about 9,000 counted tokens), one window each.
 TEXTS = [p for p in bbc_texts("paragraphs") if 60 <= len(p) <= 240][::7][:300]

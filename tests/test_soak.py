@@ -1,10 +1,10 @@
-"""The soak harness (benchmarks/soak.py): its pure parts against independent computations,
+"""The soak harness (benchmarks/soak/): its pure parts against independent computations,
 and a 3-minute soak of the real service.
 
 The soak starts its own redis-server, ``embgeom serve --redis-url`` and three workers
 (MiniLM and a random 17 x 2048 model, one collection per setting), kills a worker, Redis,
 the API and another worker, and then checks counts against the tokenizer and values
-against the float64 reference (see the module docstring of benchmarks/soak.py).
+against the float64 reference (see the package docstring of benchmarks/soak/).
 
 The 3-minute run must pass every acceptance line but one: RSS. Three minutes is the
 processes' warm-up (a restarted API loads its tokenizers, figure code and caches for two
@@ -88,12 +88,12 @@ def test_rss_growth_compares_like_with_like():
 
 
 def test_key_families():
-    assert soak._family("eg:{c:m}:inflight") == ("c:m", "control:inflight")
-    assert soak._family("eg:{c:m}:job:abc") == ("c:m", "control:job")
-    assert soak._family("eg:{c:m:3:s12}:rec") == ("c:m", "shard:rec")
-    assert soak._family("eg:{c:m:3:h}:seg") == ("c:m", "head:seg")
-    assert soak._family("eg:{c:m:3:L2c0}:seg") == ("c:m", "chunk:seg")
-    assert soak._family("eg:workers") is None
+    assert soak.key_family("eg:{c:m}:inflight") == ("c:m", "control:inflight")
+    assert soak.key_family("eg:{c:m}:job:abc") == ("c:m", "control:job")
+    assert soak.key_family("eg:{c:m:3:s12}:rec") == ("c:m", "shard:rec")
+    assert soak.key_family("eg:{c:m:3:h}:seg") == ("c:m", "head:seg")
+    assert soak.key_family("eg:{c:m:3:L2c0}:seg") == ("c:m", "chunk:seg")
+    assert soak.key_family("eg:workers") is None
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ from collections import Counter
 import pytest
 
 from embgeom import corpora, sources
-from benchmarks.shapes import DENSE_MODELS
+from embgeom.testing.models import DENSE_MODELS
 
 
 # ----------------------------------------------------------------------------- sources

@@ -24,7 +24,7 @@ import weakref
 
 import pytest
 
-from benchmarks.gpu import build_gpt2_random
+from embgeom.testing.models import build_gpt2_random
 from embgeom.compute.models import LoadedModel
 from embgeom.settings import ModelSource
 from embgeom.sources import minilm_path
