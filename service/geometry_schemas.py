@@ -1,6 +1,6 @@
 """Request and response bodies of the cross-model geometry endpoints (service/routes/geometry.py).
 
-What each number means is in :mod:`embgeom.geometry.service` and :mod:`embgeom.geometry`; the field
+What each number means is in :mod:`embgeom.comparisons` and :mod:`embgeom.geometry`; the field
 descriptions here are the short form.
 """
 
@@ -10,7 +10,7 @@ from typing import Annotated, Literal, Optional, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
 
-from embgeom.geometry.service import Space
+from embgeom.comparisons import Space
 from embgeom.store import keys as K
 from service.schemas import MAX_INT, AsOf, RequestBody
 

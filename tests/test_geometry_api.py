@@ -23,7 +23,7 @@ from fastapi.testclient import TestClient
 
 from embgeom.corpora import bbc_articles, bbc_texts
 from embgeom.geometry.matching import match_tokens, select_rows
-from embgeom.geometry.service import GeometryCache
+from embgeom.comparisons.cache import GeometryCache
 from embgeom.errors import InvalidInput
 from embgeom.store.keys import PairKeys
 from embgeom.store.reader import Reader, run_sync

@@ -26,9 +26,11 @@ TESTING = "embgeom.testing"
 BENCHMARK_TESTS = ("tests.test_benchmarks", "tests.test_docs", "tests.test_soak", "tests.test_steady_state",
                    "tests.test_store")
 HEAVY = ("torch", "transformers", "redis")
-# numpy only: the quantities and their formulas, no I/O (geometry/service.py reads the store).
+# numpy only: the quantities and their formulas, no I/O (embgeom.comparisons reads the
+# store for the geometry measures, a layer above).
 MATH = ("embgeom.stats", "embgeom.diagnostics", "embgeom.keyspace", "embgeom.geometry")
-MATH_EXCEPT = ("embgeom.geometry.service",)
+# What the math never imports, even lazily: the layers that read, run models or serve.
+IO_LAYERS = ("embgeom.store", "embgeom.compute", "embgeom.comparisons", "embgeom.worker", "service")
 
 
 def module_name(path: Path) -> str:
@@ -111,10 +113,33 @@ def in_package(module: str, package: str) -> bool:
 
 
 def test_the_math_modules_pull_in_no_torch_redis_or_transformers():
-    math = [m for m in modules() if any(in_package(m, p) for p in MATH) and m not in MATH_EXCEPT]
+    math = [m for m in modules() if any(in_package(m, p) for p in MATH)]
     assert "embgeom.stats" in math and "embgeom.geometry.similarity" in math
     wrong = {m: sorted(pulled_in(m) & set(HEAVY)) for m in math if pulled_in(m) & set(HEAVY)}
     assert not wrong, wrong
+
+
+def test_the_geometry_math_imports_no_store_compute_or_service_even_lazily():
+    geometry = [m for m in modules() if in_package(m, "embgeom.geometry")]
+    assert "embgeom.geometry" in geometry and "embgeom.geometry.matching" in geometry
+    wrong = {}
+    for m in geometry:
+        names = pulled_in(m) | imports(m, lazy_too=True)
+        bad = sorted(i for i in names if i.split(".")[0] in HEAVY
+                     or any(in_package(i, layer) for layer in IO_LAYERS))
+        if bad:
+            wrong[m] = bad
+    assert not wrong, wrong
+
+
+def test_the_geometry_math_imports_with_torch_and_redis_absent():
+    # None in sys.modules makes an import of that name fail, as if it were not installed.
+    geometry = sorted(m for m in modules() if in_package(m, "embgeom.geometry"))
+    code = ("import sys; sys.modules.update(dict.fromkeys(['torch', 'redis', 'transformers'])); "
+            f"import importlib; [importlib.import_module(m) for m in {geometry!r}]; print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 
 def test_the_service_never_imports_the_worker_even_lazily():

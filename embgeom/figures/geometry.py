@@ -1,4 +1,4 @@
-"""Figures of the cross-model geometry answers (:mod:`embgeom.geometry.service`), as matplotlib figures.
+"""Figures of the cross-model geometry answers (:mod:`embgeom.comparisons`), as matplotlib figures.
 
 Each public function takes the answer of the matching JSON endpoint (a dict, as
 ``/v1/compare/global``, ``/v1/compare/lle`` or ``.../intrinsic-dimension`` answer it) and

@@ -12,16 +12,17 @@ file per family::
     local       LLE weights and their transfer from A to B
     intrinsic   per-token dimension: local PCA, TwoNN, Levina-Bickel MLE
     steering    Emb2Emb: B ~ A W + c (ridge); a steering vector maps as v_b = v_a W
-    service     the only I/O: reads the store, matches, caches, bounds concurrency
 
 Every measure of the first groups comes with a baseline (rows of B shuffled, or random
 weights), without which it does not mean much: the biased linear CKA of two unrelated
 spaces is about sqrt(d_a d_b) / k, not 0.
 
-The math modules are float64 numpy, pure and without I/O. Invalid input raises
-``ValueError`` (the service maps it to 422); a quantity undefined on valid input (no
-spread) is ``nan`` (the service reports null). This package namespace re-exports the
-math (not the service, which imports the store).
+Every module is float64 numpy, pure and without I/O: no torch, no Redis, nothing of the
+store, the compute layer or the service. The object that reads spaces from the store (and
+runs a model for an input space), caches and bounds the work is
+:mod:`embgeom.comparisons`, a layer above. Invalid input raises ``ValueError`` (the
+comparisons map it to 422); a quantity undefined on valid input (no spread) is ``nan``
+(they report null).
 
 References
 ----------

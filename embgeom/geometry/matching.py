@@ -1,8 +1,8 @@
 """Which rows of two token spaces are the same token: by key, or by canonical string.
 
-Pure numpy on keys, counts and strings (the service reads them): the rule that picks one
-representative per string, the seeded row sample of a request, and the seeded sample of
-token pairs a figure plots.
+Pure numpy on keys, counts and strings (:mod:`embgeom.comparisons` reads them): the rule
+that picks one representative per string, the seeded row sample of a request, and the
+seeded sample of token pairs a figure plots.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ __all__ = ["Match", "match_tokens", "sample_pairs", "select_rows"]
 
 @dataclass(frozen=True)
 class Match:
-    """Rows of two :class:`SpaceTokens` that are the same token: ``rows_a[i]`` of a and
-    ``rows_b[i]`` of b; ``by`` is ``"id"`` or ``"string"``."""
+    """Rows of two token sets that are the same token: ``rows_a[i]`` of a and ``rows_b[i]``
+    of b; ``by`` is ``"id"`` or ``"string"``."""
 
     rows_a: np.ndarray
     rows_b: np.ndarray

@@ -3,8 +3,8 @@ LLE transfer, per-token intrinsic dimension, neighbours and Emb2Emb steering tra
 
 The reads and the math are CPU work: every route runs them on the thread pool (a plain
 ``def``, or ``run_in_threadpool``), never on the event loop. The work itself is
-:class:`embgeom.geometry.service.Geometry`, one per app (its result cache is keyed by pair names and
-versions, which are only unique within one store).
+:class:`embgeom.comparisons.Comparisons`, one per app (its result cache is keyed by pair names
+and versions, which are only unique within one store).
 
 Figures (PNG, SVG) of the analyses: ``.../layers/{l}/figures/{name}`` (one space) and
 ``/v1/compare/figures/{name}?a=collection:model:layer&b=...`` (two), drawn by
@@ -23,10 +23,11 @@ from fastapi import APIRouter, Path, Query, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
+from embgeom.comparisons import (FIGURE_PAIRS, INPUT, Comparisons, GeometryCache, Limits,
+                                 RenderedFigure, Space)
 from embgeom.figures import geometry as geometry_figures
 from embgeom.errors import NotFound
 from embgeom.renders import MEDIA_TYPES, check_format
-from embgeom.geometry.service import FIGURE_PAIRS, INPUT, Geometry, GeometryCache, Limits, RenderedFigure, Space
 from service.deps import LayerTargetDep, app_object
 from service.encoding import FastJSON
 from service.geometry_schemas import (
@@ -48,14 +49,14 @@ MODEL_RESPONSES = {503: {"model": ErrorBody, "description": MODEL_503}}
 MAX_FIGURE_PAIRS = 200_000
 
 
-def geometry_of(request: Request) -> Geometry:
-    """The app's :class:`Geometry`, made on first use from its runtime and settings."""
-    def make(rt) -> Geometry:
+def geometry_of(request: Request) -> Comparisons:
+    """The app's :class:`Comparisons`, made on first use from its runtime and settings."""
+    def make(rt) -> Comparisons:
         s = rt.settings
-        return Geometry(rt.reader, rt.read_sync, rt.registry,
-                        rt.sync_models.get, Limits.from_settings(s),
-                        GeometryCache(s.geometry_cache_entries, s.geometry_cache_mb << 20),
-                        s.geometry_max_concurrent)
+        return Comparisons(rt.reader, rt.read_sync, rt.registry,
+                           rt.sync_models.get, Limits.from_settings(s),
+                           GeometryCache(s.geometry_cache_entries, s.geometry_cache_mb << 20),
+                           s.geometry_max_concurrent)
     return app_object(request, "geometry", make)
 
 
@@ -68,7 +69,7 @@ def compare_global(body: GlobalRequest, request: Request):
     the pairwise cosine similarities, linear CKA (biased and debiased), the orthogonal
     Procrustes residual, mutual k-NN and CKNNA, each beside a baseline with the token
     correspondence shuffled."""
-    return FastJSON(geometry_of(request).compare_global(
+    return FastJSON(geometry_of(request).pairs.compare_global(
         body.a.to_space(), body.b.to_space(), body.min_count, body.sample, body.seed, body.k))
 
 
@@ -76,7 +77,7 @@ def compare_global(body: GlobalRequest, request: Request):
 def compare_lle(body: LLERequest, request: Request):
     """Local similarity: each shared token's LLE weights over its k nearest neighbours in
     a, reused to rebuild it in b, against b's own optimal weights and random weights."""
-    return FastJSON(geometry_of(request).compare_lle(
+    return FastJSON(geometry_of(request).pairs.compare_lle(
         body.a.to_space(), body.b.to_space(), body.k, body.min_count, body.sample, body.seed,
         body.reg))
 
@@ -93,7 +94,7 @@ def intrinsic_dimension(
 ):
     """Per-token intrinsic dimension of the layer's token means: the global estimate and
     the lowest- and highest-dimension tokens."""
-    return FastJSON(geometry_of(request).intrinsic_dimension(
+    return FastJSON(geometry_of(request).layers.intrinsic_dimension(
         Space(t.pair.collection, t.pair.model, t.layer), k, method, threshold, min_count, limit,
         neighbors))
 
@@ -103,7 +104,7 @@ def neighbors(t: LayerTargetDep, request: Request,
               token_id: Annotated[int, Path(description="Token id (key)", **documented(minimum=0, maximum=MAX_INT))],
               k: Annotated[int, Query(ge=1, le=MAX_INT)] = 10, min_count: MinCount = 5):
     """The k tokens whose means are nearest by cosine to this token's mean."""
-    return FastJSON(geometry_of(request).neighbors(
+    return FastJSON(geometry_of(request).layers.neighbors(
         Space(t.pair.collection, t.pair.model, t.layer), token_id, k, min_count))
 
 
@@ -115,11 +116,11 @@ async def steering_transfer(body: SteeringRequest, request: Request):
     two text sets in a; compared with b's own difference of means and with random maps.
     With texts, both models run them in the API process: a synchronous model run (413
     beyond the text limits, 429 beyond ``max_sync_runs`` at once)."""
-    g = geometry_of(request)
+    steering = geometry_of(request).steering
     rt = request.app.state.runtime
 
     def run():
-        return g.steering_transfer(
+        return steering.steering_transfer(
             body.a.to_space(), body.b.to_space(), body.vector, body.positive_texts,
             body.negative_texts, body.ridge, body.held_out, body.seed, body.min_count,
             body.sample, body.return_vector)
@@ -185,7 +186,7 @@ def layer_figure(
     collection changes; ``X-Embgeom-Dimension`` is the global estimate shown."""
     _figure_name(name, geometry_figures.LAYER_FIGURES)
     check_format(format)
-    fig = geometry_of(request).intrinsic_dimension_figure(
+    fig = geometry_of(request).figures.intrinsic_dimension_figure(
         Space(t.pair.collection, t.pair.model, t.layer), k, method, threshold, min_count, limit, format)
     return _image(fig, format)
 
@@ -218,9 +219,9 @@ def compare_figure(
     not use are ignored. Cached until either space changes."""
     _figure_name(name, geometry_figures.COMPARE_FIGURES)
     check_format(format)
-    g = geometry_of(request)
+    figures = geometry_of(request).figures
     if name == "global":
-        fig = g.global_figure(_space(a), _space(b), min_count, sample, seed, pairs, format)
+        fig = figures.global_figure(_space(a), _space(b), min_count, sample, seed, pairs, format)
     else:
-        fig = g.lle_figure(_space(a), _space(b), k, min_count, sample, seed, reg, format)
+        fig = figures.lle_figure(_space(a), _space(b), k, min_count, sample, seed, reg, format)
     return _image(fig, format)
