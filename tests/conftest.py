@@ -23,8 +23,16 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from embgeom.store.server import RedisServer, free_port  # noqa: E402
 from embgeom.settings import Settings  # noqa: E402
+from tests.tiers import marks_of  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def pytest_collection_modifyitems(config, items):
+    """Each test's tier and ``fast`` markers, from tests/tiers.py (the one place they are set)."""
+    for item in items:
+        for mark in marks_of(item.path.name, getattr(item, "originalname", item.name)):
+            item.add_marker(mark)
 
 
 @pytest.fixture
