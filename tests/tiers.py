@@ -6,7 +6,7 @@ unit       no Redis, no server, no forward pass of a model (a packaged tokenizer
 store      a real redis-server, synthetic data, no model
 service    the app or a worker in this process, on a real Redis, on a few texts
 e2e        real models over real corpora, or ``embgeom serve`` as a real process
-ops        containers, the browser, soak-like runs, process lifetime
+ops        containers, the browser, soak-like runs, process lifetime, a fresh install
 =========  ===========================================================================
 
 ``tests/conftest.py`` marks each collected test with its tier (``pytest -m unit``,
@@ -71,6 +71,7 @@ FILE_TIERS = {
     "test_similarity_api.py": "e2e",
     "test_words.py": "e2e",
 
+    "test_client_install.py": "ops",
     "test_docker.py": "ops",
     "test_lifetime.py": "ops",
     "test_load_faults.py": "ops",
