@@ -4,7 +4,8 @@
   embedded/test ``redis-server`` process;
 - :mod:`~embgeom.store.keys`: the key layout; :mod:`~embgeom.store.conf`: collection
   settings and each pair's fixed configuration; :mod:`~embgeom.store.codec`: record layouts;
-- :mod:`~embgeom.store.jobs`: the job queue (Redis Streams);
+- :mod:`~embgeom.store.jobs`: the job queue (Redis Streams), submitted to by
+  :mod:`~embgeom.store.submission` and delivered by :mod:`~embgeom.store.delivery`;
 - :mod:`~embgeom.store.checkpoints`: the exactly-once checkpoint, over
   :mod:`~embgeom.store.shards` (per-token state) and :mod:`~embgeom.store.layers`
   (per-layer state), with :mod:`~embgeom.store.scripts` (its atomic steps);
