@@ -32,7 +32,8 @@ from embgeom.store import keys as K
 from embgeom.store.checkpoints import Checkpointer, Held, checkpoint_health, new_checkpoint_id
 from embgeom.store.conf import shard_of
 from embgeom.store.delivery import WorkerQueue
-from embgeom.store.shards import pieces_of, refusal
+from embgeom.store.piece_writes import refusal
+from embgeom.store.shards import pieces_of
 from tests.conftest import WorkerThread, test_settings
 from tests.test_store import assert_matches, held_jobs, make_conf, points_window, reference
 

@@ -28,6 +28,7 @@ from embgeom.store.conf import CollectionSettings, PairConf, shard_of
 from embgeom.store.connection import async_redis_client, redis_client
 from embgeom.store.delivery import WorkerQueue
 from embgeom.store.jobs import JobRequest
+from embgeom.store.piece_writes import PieceWriter
 from embgeom.store.reader import Reader, run_async, run_sync
 from embgeom.store.scripts import NOW
 from embgeom.store.shards import ShardWriter, pieces_of
@@ -270,18 +271,18 @@ class Crash(Exception):
     pass
 
 
-class CrashingShards(ShardWriter):
+class CrashingPieces(PieceWriter):
     """Dies (raises) after writing ``after`` rounds of shard pieces."""
 
     def __init__(self, *args, after, **kwargs):
         super().__init__(*args, **kwargs)
         self.after = after
 
-    def _write(self, *args, **kwargs):
+    def write(self, *args, **kwargs):
         if self.after == 0:
             raise Crash()
         self.after -= 1
-        return super()._write(*args, **kwargs)
+        return super().write(*args, **kwargs)
 
 
 @pytest.mark.parametrize("crash_after,groups", [(0, 1), (1, 1), (3, 1), (1, 3), (4, 3), (5, 2)])
@@ -301,7 +302,8 @@ def test_checkpoint_redelivered_after_some_shards_counts_once(r, crash_after, gr
     x, tok, lay = points_window(rng, keys)
     jobs = held_jobs(r, pair, 3)
     dying = Checkpointer(r, "dying", lease_ms=200)
-    dying.shards = CrashingShards(r, "dying", lock_ms=200, after=crash_after)
+    dying.shards = ShardWriter(r, "dying", lock_ms=200)
+    dying.shards.pieces = CrashingPieces(r, after=crash_after)
     dying.shards.group_bytes = 1  # one part per round: the crash lands between parts
     cp = new_checkpoint_id()
     assert dying.seal(pair, 0, cp, jobs, pair.jobs, 3).status == "sealed"
@@ -705,7 +707,8 @@ def test_a_token_half_applied_across_groups_reads_each_layer_at_its_own_count(r)
     checkpoint(r, pair, conf, tok0, lay0, held_jobs(r, pair, 1))
     jobs = held_jobs(r, pair, 1)
     dying = Checkpointer(r, "dying")
-    dying.shards = CrashingShards(r, "dying", after=1)
+    dying.shards = ShardWriter(r, "dying")
+    dying.shards.pieces = CrashingPieces(r, after=1)
     dying.shards.group_bytes = 1  # one part per round
     cp = new_checkpoint_id()
     dying.seal(pair, 0, cp, jobs, pair.jobs, 3)

@@ -7,7 +7,8 @@
 - :mod:`~embgeom.store.jobs`: the job queue (Redis Streams), submitted to by
   :mod:`~embgeom.store.submission` and delivered by :mod:`~embgeom.store.delivery`;
 - :mod:`~embgeom.store.checkpoints`: the exactly-once checkpoint, over
-  :mod:`~embgeom.store.shards` (per-token state) and :mod:`~embgeom.store.layers`
+  :mod:`~embgeom.store.shards` (per-token state, its pieces written by
+  :mod:`~embgeom.store.piece_writes`) and :mod:`~embgeom.store.layers`
   (per-layer state), with :mod:`~embgeom.store.scripts` (its atomic steps);
 - :mod:`~embgeom.store.collections`: settings, listing, deletion;
 - :mod:`~embgeom.store.reader`: reads, as plans for a sync or an async client.
