@@ -11,5 +11,7 @@
   :mod:`~embgeom.store.piece_writes`) and :mod:`~embgeom.store.layers`
   (per-layer state), with :mod:`~embgeom.store.scripts` (its atomic steps);
 - :mod:`~embgeom.store.collections`: settings, listing, deletion;
-- :mod:`~embgeom.store.reader`: reads, as plans for a sync or an async client.
+- :mod:`~embgeom.store.reader`: reads, as plans (:mod:`~embgeom.store.plans`) for a sync or
+  an async client, from a pair's state (:mod:`~embgeom.store.pair_state`), its records
+  decoded by :mod:`~embgeom.store.records`.
 """
