@@ -120,7 +120,7 @@ class JobSubmitter(JobStreams):
                     continue
         # Again after: a DELETE of the collection whose SREM ran between our first SADD
         # and our MULTI (our job is in the new generation) must not leave it unlisted, nor
-        # a worker's rescan that found the stream still empty (see :meth:`_rescan`).
+        # a worker's rescan that found the stream still empty (see ``WorkerQueue._rescan``).
         with self.r.pipeline(transaction=False) as p:
             p.sadd(K.PAIRS, pair.pair)
             p.sadd(K.streams(request.model), pair.pair)
