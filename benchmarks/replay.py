@@ -149,9 +149,10 @@ def prepare_collection(client, collection: str, shape: str) -> None:
 
 
 def submit_replay_jobs(client, collection: str, model: str, jobs: range) -> list[str]:
-    from embgeom.store.jobs import JobQueue, JobRequest
+    from embgeom.store.jobs import JobRequest
+    from embgeom.store.submission import JobSubmitter
 
-    q = JobQueue(client, max_pending=10**9)
+    q = JobSubmitter(client, max_pending=10**9)
     return [q.submit(JobRequest(collection, model, [f"replay:{j}"]), [model])[0] for j in jobs]
 
 

@@ -487,9 +487,9 @@ def bench_cross_layer(repeat: int, quick: bool) -> dict:
 def replay_store(shape: str, jobs: int, slowest: Slowest, **overrides):
     """Replay ``jobs`` recorded BBC jobs of ``shape`` through one in-process worker into a
     fresh Redis; yields ``(figures, server, client)`` with the store still up."""
-    from embgeom.store.jobs import JobQueue
     from embgeom.store.keys import PairKeys
     from embgeom.store.reader import Reader, run_sync
+    from embgeom.store.submission import JobSubmitter
 
     rec = record_bbc()
     jobs = min(jobs, len(rec.jobs))
@@ -504,7 +504,7 @@ def replay_store(shape: str, jobs: int, slowest: Slowest, **overrides):
         thread = threading.Thread(target=worker.run, daemon=True)
         start = time.perf_counter()
         thread.start()
-        q = JobQueue(client)
+        q = JobSubmitter(client)
         while worker.jobs_done < jobs or q.status(ids[-1])["status"] != "done":
             time.sleep(0.02)
         seconds = time.perf_counter() - start
@@ -741,7 +741,7 @@ def uncached_summaries(client: httpx.Client, redis_url: str, path: str, count: i
     answer's ``as_of``."""
     from benchmarks.replay import replay_worker, submit_replay_jobs
     from embgeom.store.connection import redis_client
-    from embgeom.store.jobs import JobQueue
+    from embgeom.store.submission import JobSubmitter
 
     r = redis_client(redis_url)
     worker = replay_worker(redis_url, shape, prebuild=True)
@@ -754,7 +754,7 @@ def uncached_summaries(client: httpx.Client, redis_url: str, path: str, count: i
         for i in range(count):
             job = submit_replay_jobs(r, collection, "minilm", [small[i % len(small)]])[0]
             deadline = time.monotonic() + 120
-            while JobQueue(r).status(job)["status"] != "done":
+            while JobSubmitter(r).status(job)["status"] != "done":
                 assert time.monotonic() < deadline, "the fresh checkpoint did not complete"
                 time.sleep(0.02)
             t = time.perf_counter()
@@ -857,9 +857,9 @@ def bench_workers(slowest: Slowest, quick: bool, counts=(1, 2, 4)) -> dict:
             # The clock starts once every process has imported torch, tokenised BBC and
             # built its engine (each says so in its ready file), with the jobs submitted.
             wait_ready([tmp / f"w{i}.ready" for i in range(W)], procs)
-            from embgeom.store.jobs import JobQueue
+            from embgeom.store.submission import JobSubmitter
 
-            q = JobQueue(client)
+            q = JobSubmitter(client)
             start = time.perf_counter()
             ids = submit_replay_jobs(client, "c", "minilm", range(jobs))
             while any(q.status(j)["status"] != "done" for j in ids):

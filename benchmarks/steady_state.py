@@ -326,11 +326,12 @@ def replay_jobs(url: str, client, engine: SteadyEngine, registry: ReplayRegistry
     last job done), tok_s and the checkpoints (:func:`_watch_checkpoints`)."""
     from embgeom.settings import Settings
     from embgeom.store.connection import redis_client
-    from embgeom.store.jobs import JobQueue, JobRequest
+    from embgeom.store.jobs import JobRequest
+    from embgeom.store.submission import JobSubmitter
     from embgeom.worker import Worker
 
     settings = Settings(redis_url=url, worker_models=[MODEL], **(overrides or {}))
-    q = JobQueue(client, max_pending=10**9)
+    q = JobSubmitter(client, max_pending=10**9)
     # Jobs queued beyond those the worker has taken (prepared): what it takes in 2 s, and
     # 2 more (the feeder prepares one ahead), so that it never finds the queue empty (it would checkpoint early), yet stops
     # soon once the submissions stop.

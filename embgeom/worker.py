@@ -49,8 +49,9 @@ from embgeom.store.checkpoints import Checkpointer, Held, new_checkpoint_id
 from embgeom.store.collections import Collections
 from embgeom.store.conf import PairConf
 from embgeom.store.connection import redis_client
+from embgeom.store.delivery import WorkerQueue
 from embgeom.store.heartbeats import publish_heartbeat
-from embgeom.store.jobs import Delivery, JobQueue
+from embgeom.store.jobs import Delivery
 from embgeom.store.shards import piece_tokens_for
 
 log = logging.getLogger(__name__)
@@ -126,7 +127,7 @@ class Worker:
         self.registry = registry or ModelRegistry.from_settings(settings)
         self.pool = pool or ModelPool.from_settings(self.registry, settings)
         self.id = worker_id or new_worker_id()
-        self.queue = JobQueue(client, settings.max_attempts, retention_seconds=settings.retention_seconds)
+        self.queue = WorkerQueue(client, settings.max_attempts, retention_seconds=settings.retention_seconds)
         self.collections = Collections(client)
         self.checkpointer = Checkpointer(
             client, self.id, piece_bytes=settings.piece_bytes,

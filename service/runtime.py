@@ -32,9 +32,9 @@ from embgeom.settings import Settings
 from embgeom.store.collections import Collections
 from embgeom.store.connection import async_redis_client, redis_client
 from embgeom.store.heartbeats import live_workers
-from embgeom.store.jobs import JobQueue
 from embgeom.store.reader import Reader, run_async, run_sync
 from embgeom.store.server import RedisServer
+from embgeom.store.submission import JobSubmitter
 from service.limits import SyncRuns
 from service.sync_models import SyncModels
 
@@ -55,7 +55,7 @@ class Runtime:
     redis: redis.Redis
     aredis: object
     registry: ModelRegistry
-    queue: JobQueue
+    queue: JobSubmitter
     collections: Collections
     reader: Reader
     server: Optional[RedisServer] = None
@@ -161,8 +161,7 @@ class Runtime:
         registry = ModelRegistry.from_settings(settings, files_in_child=True)
         rt = cls(
             settings=settings, redis=client, aredis=async_redis_client(url), registry=registry,
-            queue=JobQueue(client, settings.max_attempts, settings.max_pending_jobs,
-                           settings.idempotency_ttl_seconds, settings.retention_seconds),
+            queue=JobSubmitter(client, settings.max_pending_jobs, settings.idempotency_ttl_seconds),
             collections=Collections(client), reader=Reader(), server=server, redis_url=url,
         )
         limit_arenas(settings.malloc_arenas)

@@ -31,8 +31,9 @@ from embgeom.stats import WindowMoments
 from embgeom.store import keys as K
 from embgeom.store.checkpoints import Checkpointer, Held, checkpoint_health, new_checkpoint_id
 from embgeom.store.conf import shard_of
-from embgeom.store.jobs import JobQueue
-from embgeom.store.shards import pieces_of, refusal
+from embgeom.store.delivery import WorkerQueue
+from embgeom.store.piece_writes import refusal
+from embgeom.store.shards import pieces_of
 from tests.conftest import WorkerThread, test_settings
 from tests.test_store import assert_matches, held_jobs, make_conf, points_window, reference
 
@@ -106,7 +107,7 @@ def test_refused_checkpoint_is_dead_lettered_then_retried_exactly(r):
     assert r.zcard(pair.inflight) == 0 and r.zrange(pair.deadletter, 0, -1) == [cp.encode()]
     good_pieces = [pc for pc in pieces_of(tok.ids, conf, 3) if pc[0] != bad]
     assert adopter.applied(pair, conf, cp) == (len(good_pieces), conf.shards - 1, 0)
-    q = JobQueue(r)
+    q = WorkerQueue(r)
     for j in jobs:
         st = q.status(j.job_id)
         assert st["status"] == "failed", st
@@ -137,7 +138,7 @@ def test_refused_checkpoint_is_dead_lettered_then_retried_exactly(r):
     assert_matches(r, pair, reference(keys, x))
     for j in jobs:
         assert q.status(j.job_id)["status"] == "done"
-    JobQueue(r).ack_many(pair.jobs, record["entries"])
+    q.ack_many(pair.jobs, record["entries"])
     assert r.xlen(pair.jobs) == 0
 
 
@@ -175,7 +176,7 @@ def test_exhausted_checkpoint_of_a_dead_owner_is_dead_lettered_on_adoption(r):
     record = Checkpointer(r, "third").adopt(pair, cp, max_tries=2)
     assert record["status"] == "exhausted" and record["tries"] == 2
     assert Checkpointer(r, "third").dead_letter(pair, conf, cp, "its workers stopped while applying it")
-    st = JobQueue(r).status(jobs[0].job_id)
+    st = WorkerQueue(r).status(jobs[0].job_id)
     assert st["status"] == "failed" and "None of it was applied" in st["error"], st
     assert r.zcard(pair.inflight) == 0
 
@@ -217,7 +218,7 @@ def test_runs_that_make_progress_are_not_failed_tries(r):
     assert_matches(r, pair, reference(keys, x))
     assert r.zcard(pair.deadletter) == 0
     for j in jobs:
-        assert JobQueue(r).status(j.job_id)["status"] == "done"
+        assert WorkerQueue(r).status(j.job_id)["status"] == "done"
 
 
 def test_out_of_memory_gives_up_then_an_adopter_completes_exactly(r):

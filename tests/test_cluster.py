@@ -26,7 +26,7 @@ from redis.cluster import RedisCluster
 
 from embgeom.store import keys as K
 from embgeom.compute.catalogue import ModelRegistry
-from embgeom.store.jobs import JobQueue
+from embgeom.store.jobs import JobStreams
 from embgeom.store.server import RedisServer, redis_server_binary
 from tests.conftest import wait_for_jobs
 from tests.test_scale_out import (
@@ -255,7 +255,7 @@ def test_cluster_matches_standalone(cluster, standalone, tmp_path):
             # Every stream drained: nothing left, nothing pending (a drained stream may
             # already have left the workers' directory: a rescan retires empty ones).
             streams = sorted(p.jobs for p in pairs.values())
-            assert set(JobQueue(rc).streams([MODEL])) <= set(streams)
+            assert set(JobStreams(rc).streams([MODEL])) <= set(streams)
             assert [rc.xlen(s) for s in streams] == [0, 0]
             assert [rc.xpending(s, K.GROUP)["pending"] for s in streams] == [0, 0]
 

@@ -5,13 +5,15 @@ from __future__ import annotations
 import time
 
 from embgeom.store import keys as K
-from embgeom.store.jobs import JobQueue, JobRequest
+from embgeom.store.delivery import WorkerQueue
+from embgeom.store.jobs import JobRequest
+from embgeom.store.submission import JobSubmitter
 from embgeom.worker import redis_client
 
 
 def test_prune_consumers_removes_only_idle_empty_ones(redis_server):
     r = redis_client(redis_server.url)
-    q = JobQueue(r)
+    q = WorkerQueue(r)
     r.sadd(K.streams("minilm"), "c:minilm")  # what submit() records
     stream = K.PairKeys("c", "minilm").jobs
     q.ensure_group(stream)
@@ -28,12 +30,12 @@ def test_prune_consumers_removes_only_idle_empty_ones(redis_server):
 
 def test_superseded_delivery_can_neither_requeue_nor_dead_letter(redis_server):
     r = redis_client(redis_server.url)
-    q = JobQueue(r, max_attempts=5)
-    job_id, _ = q.submit(JobRequest("c", "minilm", ["some text"]), ["minilm"])
+    q = WorkerQueue(r, max_attempts=5)
+    job_id, _ = JobSubmitter(r).submit(JobRequest("c", "minilm", ["some text"]), ["minilm"])
     stale = q.take("w1", ["minilm"], lease_seconds=60, block_ms=100)
     time.sleep(0.05)
     # Another worker (its own queue object, as every worker has) takes it over.
-    fresh = JobQueue(r, max_attempts=5).take("w2", ["minilm"], lease_seconds=0.01, block_ms=100)
+    fresh = WorkerQueue(r, max_attempts=5).take("w2", ["minilm"], lease_seconds=0.01, block_ms=100)
     assert fresh is not None and fresh.epoch == stale.epoch + 1
     assert q.retry_later(stale, "boom") is False
     assert q.fail(stale.pair, job_id, stale.stream, stale.entry_id, "boom", epoch=stale.epoch) is False
@@ -50,15 +52,15 @@ def test_idle_polls_touch_only_notified_pairs_and_rescans_retire_empty_streams(r
     rescans, a take polls only the streams notifications named; a rescan drops the empty
     streams from the directory, and a delivery puts its pair back."""
     r = redis_client(redis_server.url)
-    q = JobQueue(r)
+    submitter, q = JobSubmitter(r), WorkerQueue(r)
     for i in range(30):  # 30 pairs ever created, each with a job that then ended
-        job_id, _ = q.submit(JobRequest(f"old{i}", "minilm", ["x"]), ["minilm"])
+        job_id, _ = submitter.submit(JobRequest(f"old{i}", "minilm", ["x"]), ["minilm"])
         d = q.take("w", ["minilm"], lease_seconds=60, block_ms=0, only=K.PairKeys(f"old{i}", "minilm").jobs)
         q.ack(d.stream, d.entry_id)
-    worker = JobQueue(r)
+    worker = WorkerQueue(r)
     assert worker.take("w", ["minilm"], lease_seconds=60, block_ms=0) is None  # a rescan
     assert r.scard(K.streams("minilm")) == 0  # every stream was empty: retired
-    job_id, _ = q.submit(JobRequest("new", "minilm", ["y"]), ["minilm"])
+    job_id, _ = submitter.submit(JobRequest("new", "minilm", ["y"]), ["minilm"])
     # Between rescans nothing is polled until a notification names the pair.
     assert worker.take("w", ["minilm"], lease_seconds=60, block_ms=0) is None
     worker.note(worker.wait_for_work(["minilm"], 100, {K.notify("minilm"): "0-0"}))
@@ -95,9 +97,9 @@ def test_a_backlog_found_by_a_rescan_is_drained_without_waiting_for_the_next(red
     """Jobs queued before a worker listened (no notification reaches it) are all taken
     one after the other, not one per rescan (every half lease)."""
     r = redis_client(redis_server.url)
-    q = JobQueue(r)
+    q = JobSubmitter(r)
     ids = [q.submit(JobRequest("backlog", "minilm", [f"t{i}"]), ["minilm"])[0] for i in range(3)]
-    worker = JobQueue(r)
+    worker = WorkerQueue(r)
     taken = [worker.take("w", ["minilm"], lease_seconds=600, block_ms=0) for _ in range(3)]
     assert [d.job_id for d in taken if d is not None] == ids
 
@@ -112,7 +114,7 @@ def test_a_rescan_racing_submissions_never_drops_a_queued_stream_from_the_direct
     import threading
 
     r = redis_client(redis_server.url)
-    submitter, rescanner = JobQueue(r), JobQueue(redis_client(redis_server.url))
+    submitter, rescanner = JobSubmitter(r), WorkerQueue(redis_client(redis_server.url))
     done = threading.Event()
 
     def rescan_until_done():

@@ -23,7 +23,7 @@ from embgeom.store import keys as K
 from embgeom.store.collections import Collections
 from embgeom.store.conf import CollectionSettings, PairConf
 from embgeom.store.connection import async_redis_client, redis_client
-from embgeom.store import reader as reader_module
+from embgeom.store.pair_state import BoundedCache
 from embgeom.store.reader import Reader, run_async, run_sync
 from tests.test_store import checkpoint, held_jobs, points_window
 
@@ -255,7 +255,7 @@ def test_reader_caches_are_bounded_across_deletes(r):
         assert state.gen == gen and state.conf.gen == gen
         run_sync(r, rd.scalars(state))
         collections.delete_pair(pair)
-    assert len(rd._confs) == 1
+    assert len(rd.states._confs) == 1
     assert len(rd._scalars) == 1
 
     rd = Reader(scalar_cache_entries=2, conf_cache_entries=3)
@@ -264,7 +264,7 @@ def test_reader_caches_are_bounded_across_deletes(r):
         collections.ensure_conf(other, PairConf.resolve(CollectionSettings(), 0, L, D, 10**6, 4, 4096))
         r.sadd(K.PAIRS, other.pair)
         run_sync(r, rd.scalars(run_sync(r, rd.pair_state(other))))
-    assert len(rd._confs) == 3 and len(rd._scalars) == 2
+    assert len(rd.states._confs) == 3 and len(rd._scalars) == 2
 
 
 class Replay:
@@ -350,11 +350,11 @@ def test_reader_cache_eviction_is_safe_under_threads(r):
     finally:
         sys.setswitchinterval(interval)
     assert errors == []
-    assert len(shared._scalars) <= 1 and len(shared._confs) <= len(pairs)
+    assert len(shared._scalars) <= 1 and len(shared.states._confs) <= len(pairs)
 
 
 def test_bounded_cache_is_least_recently_used():
-    cache = reader_module.BoundedCache(2)
+    cache = BoundedCache(2)
     cache.put("a", 1)
     cache.put("b", 2)
     assert cache.get("a") == 1  # "a" used last: "b" goes first

@@ -41,7 +41,9 @@ from embgeom.store import keys as K
 from embgeom.corpora import bbc_texts
 from embgeom.compute.catalogue import ModelRegistry
 from embgeom.compute.models import ModelPool
-from embgeom.store.jobs import JobQueue, JobRequest
+from embgeom.store.delivery import WorkerQueue
+from embgeom.store.jobs import JobRequest, JobStreams
+from embgeom.store.submission import JobSubmitter
 from embgeom.sources import minilm_path
 from embgeom.store.server import RedisServer, free_port
 from embgeom.store.heartbeats import live_workers
@@ -353,7 +355,7 @@ def live_worker_details(rdb: redis.Redis) -> list[dict]:
 
 def model_streams(rdb: redis.Redis, model: str = MODEL) -> list[str]:
     """The job streams of every pair of ``model`` (one per collection)."""
-    return JobQueue(rdb).streams([model])
+    return JobStreams(rdb).streams([model])
 
 
 def stream_state(rdb: redis.Redis, model: str = MODEL) -> tuple[int, int]:
@@ -434,7 +436,7 @@ def server(tmp_path) -> Iterator[RedisServer]:
         yield s
 
 
-def in_process_worker(url: str, pool: ModelPool, worker_id: str, queue_cls=JobQueue) -> Worker:
+def in_process_worker(url: str, pool: ModelPool, worker_id: str, queue_cls=WorkerQueue) -> Worker:
     s = api_settings(url, token_budget=4096)  # driven step by step: no need for small batches
     w = Worker(redis_client(url), s, registry=pool.registry, pool=pool, worker_id=worker_id)
     w.queue = queue_cls(w.r, s.max_attempts)
@@ -510,7 +512,7 @@ class CrashInAck(RuntimeError):
     pass
 
 
-class AckCrashingQueue(JobQueue):
+class AckCrashingQueue(WorkerQueue):
     """The worker dies after its checkpoint completed and before the XACK."""
 
     def ack_many(self, stream, entry_ids):
@@ -659,7 +661,7 @@ def test_idempotency_key_counts_once(server, tokenizer):
         for round_ in range(25):
             barrier, ids = threading.Barrier(8), []
             def submit(round_=round_):
-                q = JobQueue(redis.Redis.from_url(server.url))
+                q = JobSubmitter(redis.Redis.from_url(server.url))
                 barrier.wait()
                 ids.append(q.submit(JobRequest("idem-race", MODEL, ["a few words"]), [MODEL],
                                     f"race-{round_}")[0])

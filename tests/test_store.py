@@ -26,10 +26,13 @@ from embgeom.store.checkpoints import Checkpointer, Held, new_checkpoint_id
 from embgeom.store.collections import Collections
 from embgeom.store.conf import CollectionSettings, PairConf, shard_of
 from embgeom.store.connection import async_redis_client, redis_client
-from embgeom.store.jobs import JobQueue, JobRequest
+from embgeom.store.delivery import WorkerQueue
+from embgeom.store.jobs import JobRequest
+from embgeom.store.piece_writes import PieceWriter
 from embgeom.store.reader import Reader, run_async, run_sync
 from embgeom.store.scripts import NOW
 from embgeom.store.shards import ShardWriter, pieces_of
+from embgeom.store.submission import JobSubmitter
 
 L, D = 3, 5
 
@@ -140,9 +143,9 @@ def applied_parts(r, pair, conf, cp) -> int:
 
 def held_jobs(r, pair, count):
     """Jobs submitted and delivered (status running, with epochs), as a worker holds them."""
-    q = JobQueue(r)
+    submitter, q = JobSubmitter(r), WorkerQueue(r)
     for i in range(count):
-        q.submit(JobRequest(pair.collection, pair.model, [f"text {i}"]), [pair.model])
+        submitter.submit(JobRequest(pair.collection, pair.model, [f"text {i}"]), [pair.model])
     out = []
     for _ in range(count):
         d = q.take("w", [pair.model], 60, block_ms=0, only=pair.jobs)
@@ -268,18 +271,18 @@ class Crash(Exception):
     pass
 
 
-class CrashingShards(ShardWriter):
+class CrashingPieces(PieceWriter):
     """Dies (raises) after writing ``after`` rounds of shard pieces."""
 
     def __init__(self, *args, after, **kwargs):
         super().__init__(*args, **kwargs)
         self.after = after
 
-    def _write(self, *args, **kwargs):
+    def write(self, *args, **kwargs):
         if self.after == 0:
             raise Crash()
         self.after -= 1
-        return super()._write(*args, **kwargs)
+        return super().write(*args, **kwargs)
 
 
 @pytest.mark.parametrize("crash_after,groups", [(0, 1), (1, 1), (3, 1), (1, 3), (4, 3), (5, 2)])
@@ -299,7 +302,8 @@ def test_checkpoint_redelivered_after_some_shards_counts_once(r, crash_after, gr
     x, tok, lay = points_window(rng, keys)
     jobs = held_jobs(r, pair, 3)
     dying = Checkpointer(r, "dying", lease_ms=200)
-    dying.shards = CrashingShards(r, "dying", lock_ms=200, after=crash_after)
+    dying.shards = ShardWriter(r, "dying", lock_ms=200)
+    dying.shards.pieces = CrashingPieces(r, after=crash_after)
     dying.shards.group_bytes = 1  # one part per round: the crash lands between parts
     cp = new_checkpoint_id()
     assert dying.seal(pair, 0, cp, jobs, pair.jobs, 3).status == "sealed"
@@ -490,7 +494,7 @@ def test_ended_jobs_expire_and_a_redelivery_past_the_horizon_counts_nothing(r):
     x, tok, lay = points_window(rng, keys)
     jobs = held_jobs(r, pair, 2)
     checkpoint(r, pair, conf, tok, lay, jobs, cpr=Checkpointer(r, "w", retention_seconds=1))
-    q = JobQueue(r, retention_seconds=1)
+    q = WorkerQueue(r, retention_seconds=1)
     q.retire_refs([j.job_id for j in jobs])
     for j in jobs:
         assert q.status(j.job_id)["status"] == "done"
@@ -510,9 +514,9 @@ def test_ended_jobs_expire_and_a_redelivery_past_the_horizon_counts_nothing(r):
 
 def test_a_job_of_a_deleted_collection_is_voided_at_delivery_without_running(r):
     pair = K.PairKeys("voided", "m")
-    q = JobQueue(r)
-    job_id, _ = q.submit(JobRequest(pair.collection, pair.model, ["a text"]), [pair.model])
+    job_id, _ = JobSubmitter(r).submit(JobRequest(pair.collection, pair.model, ["a text"]), [pair.model])
     Collections(r).delete(pair.collection)
+    q = WorkerQueue(r)
     assert q.take("w", [pair.model], 60, block_ms=0, only=pair.jobs) is None
     status = q.status(job_id)
     assert status["status"] == "failed" and "deleted" in status["error"]
@@ -530,7 +534,7 @@ def test_one_idempotency_key_raced_for_two_pairs_names_one_job(r):
         barrier = threading.Barrier(2)
 
         def submit(collection):
-            q = JobQueue(r)  # a client is thread-safe: each command takes a pooled connection
+            q = JobSubmitter(r)  # a client is thread-safe: each command takes a pooled connection
             barrier.wait()
             try:
                 outcomes.append(q.submit(JobRequest(collection, "m", ["t"]), ["m"], key)[1])
@@ -703,7 +707,8 @@ def test_a_token_half_applied_across_groups_reads_each_layer_at_its_own_count(r)
     checkpoint(r, pair, conf, tok0, lay0, held_jobs(r, pair, 1))
     jobs = held_jobs(r, pair, 1)
     dying = Checkpointer(r, "dying")
-    dying.shards = CrashingShards(r, "dying", after=1)
+    dying.shards = ShardWriter(r, "dying")
+    dying.shards.pieces = CrashingPieces(r, after=1)
     dying.shards.group_bytes = 1  # one part per round
     cp = new_checkpoint_id()
     dying.seal(pair, 0, cp, jobs, pair.jobs, 3)

@@ -31,7 +31,8 @@ from embgeom.sources import minilm_path
 from embgeom.store import keys as K
 from embgeom.store.collections import Collections
 from embgeom.store.conf import CollectionSettings
-from embgeom.store.jobs import JobQueue, JobRequest
+from embgeom.store.jobs import JobRequest
+from embgeom.store.submission import JobSubmitter
 from embgeom.worker import Worker, redis_client
 from tests.conftest import test_settings
 
@@ -58,7 +59,7 @@ def make_worker(url: str, serves: list[str], **overrides) -> Worker:
 def ingest(worker: Worker, collection: str, model: str, texts: list[str]) -> str:
     """Submit one job and run it through ``worker`` into its window (``worker.window``,
     checkpointed by :func:`checkpoint`); returns its job id."""
-    job_id, _ = worker.queue.submit(JobRequest(collection, model, texts), worker.models)
+    job_id, _ = JobSubmitter(worker.r).submit(JobRequest(collection, model, texts), worker.models)
     delivery = worker.queue.take(worker.id, [model], 60, block_ms=0,
                                  only=K.PairKeys(collection, model).jobs)
     assert delivery is not None and delivery.job_id == job_id
@@ -191,7 +192,7 @@ def test_window_length_is_pinned_in_the_pair_config(redis_server):
     checkpoint(a)
     job_b = ingest(b, "special", "minilm", texts_b)
     checkpoint(b)
-    q = JobQueue(a.r)
+    q = JobSubmitter(a.r)
     assert q.status(job_a)["tokens"] == want_a
     assert q.status(job_b)["tokens"] == want_b
     conf = Collections(a.r).conf(K.PairKeys("special", "minilm"))
@@ -241,7 +242,7 @@ def test_a_worker_preparing_a_job_is_not_at_rest(redis_server, tiny_models):
     feeder holds a job: taken and being prepared (its model loading: the soak saw a third
     weight file mapped at "rest"), or prepared and waiting for the main thread."""
     w = make_worker(redis_server.url, ["ga"], models=tiny_models)
-    w.queue.submit(JobRequest("rest", "ga", sentences(0, 3)), w.models)
+    JobSubmitter(w.r).submit(JobRequest("rest", "ga", sentences(0, 3)), w.models)
     w._feeder_idle.set()            # as the feeder leaves it when it finds no job
     assert w.heartbeat_details()["at_rest"]
     w._feeder_idle.clear()          # as it does when it has taken one

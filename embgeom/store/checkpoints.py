@@ -58,9 +58,10 @@ from embgeom.store import keys as K
 from embgeom.store.conf import PairConf, shard_of
 from embgeom.store.keys import PairKeys
 from embgeom.store.layers import LayerWriter, layer_parts
+from embgeom.store.piece_writes import refusal
 from embgeom.store.scripts import (ADOPT, CHECK, COMPLETE, DEAD_LETTER, GIVE_UP, NOW, RENEW,
                                    REVIVE, SEAL)
-from embgeom.store.shards import ApplyStats, ShardWriter, refusal
+from embgeom.store.shards import ApplyStats, ShardWriter
 
 log = logging.getLogger(__name__)
 

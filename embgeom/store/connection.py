@@ -40,7 +40,7 @@ def redis_client(url: str, socket_timeout: float = 60.0) -> redis.Redis:
 
 def async_redis_client(url: str, socket_timeout: Optional[float] = None, max_connections: int = 128):
     """An asyncio client (the API's reads never block its event loop). No timeout per
-    command by default: :func:`embgeom.store.reader.run_async` times each read as a whole
+    command by default: :func:`embgeom.store.plans.run_async` times each read as a whole
     (one timer, not one per command, on the hot paths)."""
     import redis.asyncio as aredis
 

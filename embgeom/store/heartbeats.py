@@ -9,7 +9,7 @@ import time
 import redis
 
 from embgeom.store import keys as K
-from embgeom.store.reader import Reader, run_sync
+from embgeom.store.plans import Plan, run_sync
 
 __all__ = ["publish_heartbeat", "live_workers"]
 
@@ -28,4 +28,14 @@ def publish_heartbeat(client: redis.Redis, worker_id: str, details: dict,
 
 def live_workers(client: redis.Redis, silence_seconds: float) -> list[dict]:
     """Workers whose heartbeat is younger than ``silence_seconds``."""
-    return run_sync(client, Reader().live_workers(silence_seconds))
+    return run_sync(client, _live_workers(silence_seconds))
+
+
+def _live_workers(silence_seconds: float) -> Plan:
+    """Heartbeat details of the workers heard from within ``silence_seconds``."""
+    # Heartbeats are scored by each worker's clock: compared with ours, as they are.
+    (ids,) = yield [("zrangebyscore", K.WORKERS, time.time() - silence_seconds, "+inf")]
+    if not ids:
+        return []
+    raws = yield [("get", K.worker(i.decode())) for i in ids]
+    return [json.loads(raw) for raw in raws if raw]

@@ -1,176 +1,30 @@
-"""Reads of the accumulators, written once as *plans* run by a sync or an async driver.
+"""Reads of the accumulators, written once as plans (:mod:`embgeom.store.plans`) run by a
+sync or an async driver.
 
-A plan is a generator: it yields a list of Redis commands (``(method, *args)``), receives
-their replies, and finally returns its result. :func:`run_sync` runs a plan on a
-``redis.Redis`` (workers, CLI, benchmarks); :func:`run_async` on a ``redis.asyncio``
-client (the API, which must never block its event loop). Every command of one step goes
-out in one pipeline (non-transactional: on a cluster the parts live on several nodes), and
-no command reads an unbounded amount (scans go by shard, large hashes by HSCAN pages), so
-no single command holds Redis for long.
-
-A read reports ``as_of``: the number of completed checkpoints (``version``), the time of
-the last one, and ``applying``, the checkpoints sealed and still being applied when it
-read. Parts are applied one after another, so while ``applying`` > 0 a read that spans
-several parts may see a checkpoint in some of them and not yet in others (a token's layer
-groups too: each layer's moments are whole, at that layer's count); every count of one
-token at one layer is always whole.
-
-A token's records are cut into layer groups (``PairConf.groups``, parts of their own): a
-read of some layers touches only their groups; a read of all layers gathers every group.
+Each read starts from its pair's state (:mod:`embgeom.store.pair_state`: generation,
+configuration, and ``as_of``, what it reports of the checkpoints it saw), and what it gets
+back is decoded by :mod:`embgeom.store.records`. No command reads an unbounded amount
+(scans go by shard, large hashes by HSCAN pages), so no single command holds Redis for long.
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
-import threading
-import time
-from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Generator, Optional, Sequence
+from typing import Optional, Sequence
 
 import numpy as np
-import redis
 
-from embgeom.errors import NotFound
 from embgeom.store import codec
-from embgeom.store import keys as K
 from embgeom.store.conf import PairConf, shard_of
 from embgeom.store.keys import PairKeys
 from embgeom.store.layers import (chunk_span, comoment_from_chunks, merge_chunks, merge_head,
                                   ordered_segments)
+from embgeom.store.pair_state import BoundedCache, PairState, PairStates
+from embgeom.store.plans import Plan, run_async, run_sync
+from embgeom.store.records import Scalars, decode_hash, join_scalars, token_commands, token_record
 from embgeom.store.scripts import SCAN_SLICES, SLICES
 
+# Plan, its drivers and PairState are re-exported: most callers import them from here.
 __all__ = ["Plan", "run_sync", "run_async", "PairState", "Scalars", "BoundedCache", "Reader"]
-
-Plan = Generator[list, list, object]
-
-
-def run_sync(client, plan: Plan):
-    """Run a plan on a synchronous client."""
-    try:
-        commands = next(plan)
-        while True:
-            with client.pipeline(transaction=False) as p:
-                for name, *args in commands:
-                    getattr(p, name)(*args)
-                replies = p.execute() if commands else []
-            commands = plan.send(replies)
-    except StopIteration as stop:
-        return stop.value
-
-
-async def run_async(client, plan: Plan, timeout: Optional[float] = 10.0):
-    """Run a plan on a ``redis.asyncio`` client, within ``timeout`` seconds as a whole
-    (one timer per read, not one per command: ``redis.TimeoutError`` beyond it)."""
-    try:
-        async with asyncio.timeout(timeout):
-            return await _drive(client, plan)
-    except TimeoutError:
-        raise redis.TimeoutError(f"the store did not answer within {timeout} s") from None
-
-
-async def _drive(client, plan: Plan):
-    try:
-        commands = next(plan)
-        while True:
-            if commands:
-                async with client.pipeline(transaction=False) as p:
-                    for name, *args in commands:
-                        getattr(p, name)(*args)
-                    replies = await p.execute()
-            else:
-                replies = []
-            commands = plan.send(replies)
-    except StopIteration as stop:
-        return stop.value
-
-
-@dataclass(frozen=True)
-class PairState:
-    """What a read of one pair starts from: its generation, configuration and freshness."""
-
-    pair: PairKeys
-    gen: int
-    conf: Optional[PairConf]
-    version: int
-    updated_at: Optional[float]
-    applying: int
-
-    def as_of(self) -> dict:
-        return {"version": self.version, "updated_at": self.updated_at, "applying": self.applying}
-
-    @property
-    def empty(self) -> bool:
-        return self.conf is None
-
-
-@dataclass
-class Scalars:
-    """Per-token scalars of every token type: ids (k,), n (k,), M (k, L), m2 (k, L), and
-    ``unit_norms`` ``||U||^2`` (k, L) of the unit sums, None for a pair without them
-    (self-similarity off, or a generation stored before scal records carried them).
-
-    ``layer_n`` (k, L): the count each layer's M and m2 are at; it differs from ``n`` (the
-    first layer group's) only for a token whose layer groups a checkpoint being applied
-    has reached in part. None: ``n`` at every layer."""
-
-    ids: np.ndarray
-    n: np.ndarray
-    M: np.ndarray
-    m2: np.ndarray
-    unit_norms: Optional[np.ndarray] = None
-    layer_n: Optional[np.ndarray] = None
-
-    def unit_norms_at(self, position: int) -> Optional[np.ndarray]:
-        """``||U||^2`` (k,) of every token at one kept layer, or None (see the class)."""
-        return None if self.unit_norms is None else self.unit_norms[:, position]
-
-    def at(self, position: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(M, V, Q) of every token at one kept layer (its position in ``conf.layers``)."""
-        M = self.M[:, position]
-        V = self.m2[:, position] / (self.n if self.layer_n is None else self.layer_n[:, position])
-        return M, V, M + V
-
-
-class BoundedCache:
-    """A map of at most ``entries`` items, the least recently used dropped first.
-
-    One lock around every operation (and nothing else: no read or decoding holds it), so
-    the event loop and the thread pool can share it; a miss is a default, never a
-    ``KeyError``."""
-
-    _MISSING = object()
-
-    def __init__(self, entries: int):
-        if entries < 1:
-            raise ValueError("a cache holds at least one entry")
-        self.entries = entries
-        self._items: OrderedDict = OrderedDict()
-        self._lock = threading.Lock()
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._items)
-
-    def get(self, key, default=None):
-        with self._lock:
-            value = self._items.get(key, self._MISSING)
-            if value is self._MISSING:
-                return default
-            self._items.move_to_end(key)
-            return value
-
-    def put(self, key, value) -> None:
-        with self._lock:
-            self._items[key] = value
-            self._items.move_to_end(key)
-            while len(self._items) > self.entries:
-                self._items.popitem(last=False)
-
-    def discard(self, key) -> None:
-        with self._lock:
-            self._items.pop(key, None)
 
 
 # Sliced reads (see scripts.SLICES): what one script call may copy inside Redis (whole
@@ -216,114 +70,19 @@ def _by_group(conf: PairConf, positions: Sequence[int]) -> dict:
     return out
 
 
-def _join_scalars(by_group: list) -> Scalars:
-    """One :class:`Scalars` from each layer group's ``(ids sorted, from_scal(rows))``:
-    the tokens of the first group, each other group's columns aligned to them (zeros for
-    a token a checkpoint being applied has not reached there yet, at the first group's n)."""
-    ids, (n, M, m2, norms) = by_group[0]
-    if len(by_group) == 1:
-        return Scalars(ids, n, M, m2, norms)
-    Ms, m2s, norms_all, ns = [M], [m2], [norms], [np.broadcast_to(n[:, None], M.shape)]
-    for g_ids, (g_n, g_M, g_m2, g_norms) in by_group[1:]:
-        at = np.minimum(np.searchsorted(g_ids, ids), max(len(g_ids) - 1, 0))
-        hit = (g_ids[at] == ids) if len(g_ids) else np.zeros(len(ids), dtype=bool)
-
-        def aligned(a):
-            out = np.zeros((len(ids),) + a.shape[1:])
-            out[hit] = a[at[hit]]
-            return out
-        Ms.append(aligned(g_M))
-        m2s.append(aligned(g_m2))
-        norms_all.append(None if g_norms is None else aligned(g_norms))
-        g_count = np.where(hit, aligned(g_n), n)  # not there yet: zeros at the first group's n
-        ns.append(np.broadcast_to(g_count[:, None], (len(ids), g_M.shape[1])))
-    norms = None if any(x is None for x in norms_all) else np.concatenate(norms_all, axis=1)
-    return Scalars(ids, n, np.concatenate(Ms, axis=1), np.concatenate(m2s, axis=1), norms,
-                   layer_n=np.concatenate(ns, axis=1))
-
-
-def _decode_hash(raw: dict, width: int) -> tuple[np.ndarray, np.ndarray]:
-    if not raw:
-        return np.zeros(0, dtype=np.int64), np.zeros((0, width))
-    ids = np.fromiter((int(k) for k in raw.keys()), dtype=np.int64, count=len(raw))
-    rows = np.frombuffer(b"".join(raw.values()), dtype=codec.F64).reshape(len(raw), width)
-    return ids, rows
-
-
 class Reader:
     """Plans over a pair's parts, with small caches keyed by what cannot change (a
-    generation's configuration) or by the version read (scalars of a settled pair)."""
+    generation's configuration, in :attr:`states`) or by the version read (scalars of a
+    settled pair)."""
 
     def __init__(self, scalar_cache_entries: int = 8, conf_cache_entries: int = 1024):
-        # pair -> (generation, its configuration): the last generation read, so a DELETE
-        # replaces its pair's entry instead of adding one; LRU over pairs.
-        self._confs = BoundedCache(conf_cache_entries)
         # pair -> ((generation, version), Scalars): one settled version per pair.
         self._scalars = BoundedCache(scalar_cache_entries)
-
-    # ---------------------------------------------------------------- the pair
-    _HEAD = 4  # commands of the state read
-
-    def _head(self, pair: PairKeys) -> list:
-        return [("get", pair.gen), ("hgetall", pair.meta), ("zcard", pair.inflight),
-                ("sismember", K.PAIRS, pair.pair)]
+        self.states = PairStates(conf_cache_entries, on_new_generation=self._scalars.discard)
 
     def pair_state(self, pair: PairKeys) -> Plan:
-        """The pair's generation, configuration and freshness; ``collection_not_found`` or
-        ``model_not_in_collection`` when nothing was ever sent to it."""
-        replies = yield self._head(pair)
-        return (yield from self._state(pair, replies))
-
-    def pair_state_with(self, pair: PairKeys, then) -> Plan:
-        """:meth:`pair_state` and, in the same round trip, the commands ``then(gen, conf)``
-        for the generation last seen: ``(state, their replies)``, or ``(state, None)``
-        when that guess was wrong (a first read, a deletion since)."""
-        guess = self._confs.get(pair.pair)
-        extra = then(*guess) if guess else []
-        replies = yield self._head(pair) + extra
-        state = yield from self._state(pair, replies[:self._HEAD])
-        if guess and not state.empty and state.gen == guess[0]:
-            return state, replies[self._HEAD:]
-        return state, None
-
-    def _state(self, pair: PairKeys, replies: list) -> Plan:
-        gen_raw, meta, applying, listed = replies
-        if not listed:
-            yield from self._not_found(pair)
-        gen = int(gen_raw or 0)
-        cached = self._confs.get(pair.pair)
-        conf = cached[1] if cached is not None and cached[0] == gen else None
-        if conf is None:
-            if cached is not None and cached[0] < gen:
-                self._scalars.discard(pair.pair)  # of a deleted generation
-            (raw,) = yield [("get", pair.conf(gen))]
-            if raw is not None:
-                conf = PairConf.from_json(raw)
-        if conf is not None:
-            self._confs.put(pair.pair, (gen, conf))
-        updated = meta.get(b"updated_at")
-        return PairState(pair, gen, conf, int(meta.get(b"version", 0)),
-                         float(updated) if updated else None, int(applying))
-
-    def _not_found(self, pair: PairKeys) -> Plan:
-        members, settings = yield [("smembers", K.PAIRS),
-                                   ("exists", K.collection_settings(pair.collection))]
-        collections = {K.split_pair(m.decode())[0] for m in members}
-        if pair.collection not in collections and not settings:
-            raise NotFound("collection_not_found", f"no collection {pair.collection!r}",
-                           collection=pair.collection)
-        raise NotFound("model_not_in_collection",
-                       f"no text was ever sent to collection {pair.collection!r} for model "
-                       f"{pair.model!r}", collection=pair.collection, model=pair.model)
-
-    def live_workers(self, silence_seconds: float) -> Plan:
-        """Heartbeat details of the workers heard from within ``silence_seconds``."""
-        # Heartbeats are scored by each worker's clock: compared with ours, as they are.
-        (ids,) = yield [("zrangebyscore", K.WORKERS, time.time() - silence_seconds, "+inf")]
-        if not ids:
-            return []
-        raws = yield [("get", K.worker(i.decode())) for i in ids]
-        return [json.loads(raw) for raw in raws if raw]
+        """:meth:`PairStates.pair_state <embgeom.store.pair_state.PairStates.pair_state>`."""
+        return self.states.pair_state(pair)
 
     # ------------------------------------------------------------------- heads
     def heads(self, state: PairState) -> Plan:
@@ -360,64 +119,27 @@ class Reader:
         by_group = []
         for g in range(len(conf.groups)):
             view = conf.group_view(g)
-            ids, rows = zip(*(_decode_hash(raw, view.scal_width)
+            ids, rows = zip(*(decode_hash(raw, view.scal_width)
                               for (_, h, _), raw in zip(token_parts, raws) if h == g))
             ids, rows = np.concatenate(ids), np.concatenate(rows)
             order = np.argsort(ids, kind="stable")
             by_group.append((ids[order], codec.from_scal(rows[order], view.L)))
-        out = _join_scalars(by_group)
+        out = join_scalars(by_group)
         if state.applying == 0:
             self._scalars.put(state.pair.pair, (at, out))
         return out
-
-    @staticmethod
-    def _token_commands(parts, conf: PairConf, key: int) -> list:
-        """The scal record of ``key`` in each layer group (and, for a generation stored
-        before scal records held ``||U||^2``, its unit record)."""
-        s = int(shard_of([key], conf.shards)[0])
-        commands = []
-        for g in range(len(conf.groups)):
-            shard = parts.shard(s, g)
-            commands.append(("hget", shard.scal, str(key)))
-            if conf.self_similarity and not conf.stores_unit_norms:  # a generation stored before
-                commands.append(("hget", shard.unit, str(key)))
-        return commands
-
-    @staticmethod
-    def _token_record(conf: PairConf, replies: list):
-        """``(n, M (L,), m2 (L,), ||U||^2 (L,) or None)`` from :meth:`_token_commands`'
-        replies, groups concatenated (n: the first group's); None if never seen."""
-        step = len(replies) // len(conf.groups)
-        if any(r is None for r in replies[0::step]):
-            return None
-        Ms, m2s, norms_all = [], [], []
-        for g in range(len(conf.groups)):
-            view, raw = conf.group_view(g), replies[g * step:(g + 1) * step]
-            n, M, m2, norms = codec.from_scal(np.frombuffer(raw[0], dtype=codec.F64)[None, :], view.L)
-            if g == 0:
-                count = int(round(n[0]))
-            if norms is not None:
-                norms = norms[0]
-            elif view.self_similarity and raw[1] is not None:
-                unit = np.frombuffer(raw[1], dtype=codec.F64).reshape(view.L, view.d)
-                norms = np.einsum("ld,ld->l", unit, unit)
-            Ms.append(M[0])
-            m2s.append(m2[0])
-            norms_all.append(norms)
-        norms = None if any(x is None for x in norms_all) else np.concatenate(norms_all)
-        return count, np.concatenate(Ms), np.concatenate(m2s), norms
 
     def token(self, pair: PairKeys, key: int) -> Plan:
         """``(state, record)``: the pair's state and one token's ``(n, M (L,), m2 (L,),
         ||U||^2 (L,) or None)`` (None if never seen), in one round trip when the pair's
         generation is the one last read."""
-        state, replies = yield from self.pair_state_with(
-            pair, lambda gen, conf: self._token_commands(pair.parts(gen), conf, key))
+        state, replies = yield from self.states.pair_state_with(
+            pair, lambda gen, conf: token_commands(pair.parts(gen), conf, key))
         if state.empty:
             return state, None
         if replies is None:
-            replies = yield self._token_commands(pair.parts(state.gen), state.conf, key)
-        return state, self._token_record(state.conf, replies)
+            replies = yield token_commands(pair.parts(state.gen), state.conf, key)
+        return state, token_record(state.conf, replies)
 
     def units(self, state: PairState, keys: Sequence[int], position: int) -> Plan:
         """Unit-vector sums (d,) at one kept layer of each of ``keys`` (None if absent).
@@ -567,7 +289,7 @@ class Reader:
                              for s in order]
             for s, (cursor, flat) in zip(order, replies):
                 if flat:
-                    k_ids, rows = _decode_hash(dict(zip(flat[0::2], flat[1::2])), width)
+                    k_ids, rows = decode_hash(dict(zip(flat[0::2], flat[1::2])), width)
                     n, m2, mean = codec.from_rec(rows, len(at), d)
                     sel = np.ones(len(n), dtype=bool) if keep is None else keep(n)
                     ids.append(k_ids[sel])
