@@ -262,7 +262,7 @@ def test_a_sealed_job_delivered_past_its_limit_ends(redis_server, r):
     assert d is not None and d.checkpoint == cp
     assert worker.adopt(d) == "duplicate"  # its owner is alive: not adopted, not ended
     assert worker.queue.status(d.job_id)["status"] == "running"
-    limit = worker._sealed_delivery_limit()
+    limit = worker.adoption.sealed_delivery_limit()
     assert worker.adopt(dataclasses.replace(d, attempts=limit + 1)) == "dead"
     st = worker.queue.status(d.job_id)
     assert st["status"] == "failed" and f"delivered {limit + 1} times" in st["error"], st

@@ -250,3 +250,16 @@ def test_importing_the_app_leaves_torch_transformers_the_worker_and_the_test_hel
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          timeout=120, check=True).stdout.strip()
     assert out == "", f"importing service.app imported {out}"
+
+
+def test_no_class_of_the_product_is_over_300_lines():
+    """A class that long holds several concerns: split it along a seam (issue 29's rule)."""
+    import ast
+
+    long = {}
+    for package in ("embgeom", "service"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 300:
+                    long[f"{path.relative_to(ROOT)}:{node.name}"] = node.end_lineno - node.lineno + 1
+    assert not long, long

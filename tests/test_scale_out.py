@@ -447,7 +447,7 @@ def run_job(worker: Worker, delivery) -> str:
     """Drive one delivered job through a worker step by step: into its window, then its
     checkpoint. Returns "committed", "fenced" (another delivery owns it) or "duplicate"
     (another delivery counted it)."""
-    outcome = worker.process(worker._prepare(delivery))
+    outcome = worker.process(worker.feeder.prepare(delivery))
     if outcome != "merged":
         return outcome
     status = worker.checkpoint()

@@ -63,7 +63,7 @@ def ingest(worker: Worker, collection: str, model: str, texts: list[str]) -> str
     delivery = worker.queue.take(worker.id, [model], 60, block_ms=0,
                                  only=K.PairKeys(collection, model).jobs)
     assert delivery is not None and delivery.job_id == job_id
-    assert worker.process(worker._prepare(delivery)) == "merged"
+    assert worker.process(worker.feeder.prepare(delivery)) == "merged"
     return job_id
 
 
@@ -163,7 +163,7 @@ def test_the_first_window_of_a_wide_shape_starts_within_64_mb(redis_server):
 
     w = make_worker(redis_server.url, ["minilm"])  # the default byte budget: 1 GiB
     conf = PairConf.resolve(CollectionSettings(), 0, 17, 2048, 49152, 32, 2 << 20)
-    acc = w._accumulator(conf, None)
+    acc = w.window_policy.accumulator(conf, None)
     row = 8 * (2 + 17 * (1 + 2 * 2048)) + 4 * 17 * 2048  # the checkpointed state and the float32 shifts
     assert WindowAccumulator.row_bytes(17, 2048, True) == row
     assert 0 < acc._keys.shape[0] * row <= 64 << 20
@@ -243,16 +243,16 @@ def test_a_worker_preparing_a_job_is_not_at_rest(redis_server, tiny_models):
     weight file mapped at "rest"), or prepared and waiting for the main thread."""
     w = make_worker(redis_server.url, ["ga"], models=tiny_models)
     JobSubmitter(w.r).submit(JobRequest("rest", "ga", sentences(0, 3)), w.models)
-    w._feeder_idle.set()            # as the feeder leaves it when it finds no job
+    w.feeder.idle.set()  # as the feeder leaves it when it finds no job
     assert w.heartbeat_details()["at_rest"]
-    w._feeder_idle.clear()          # as it does when it has taken one
+    w.feeder.idle.clear()  # as it does when it has taken one
     delivery = w.queue.take(w.id, ["ga"], 60, block_ms=0)
     assert not w.heartbeat_details()["at_rest"]
-    w._ready.put(w._prepare(delivery))
-    w._feeder_idle.set()            # the feeder found nothing more; the job waits, prepared
+    w.feeder.ready.put(w.feeder.prepare(delivery))
+    w.feeder.idle.set()  # the feeder found nothing more; the job waits, prepared
     details = w.heartbeat_details()
     assert not details["at_rest"]
-    assert w.process(w._ready.get()) == "merged"
+    assert w.process(w.feeder.ready.get()) == "merged"
     checkpoint(w)
     details = w.heartbeat_details()
     assert details["at_rest"]
