@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from embgeom.settings import Settings
 from embgeom.stats import TokenMoments
 from embgeom.store.conf import CollectionSettings, PairConf, layer_bytes
 from embgeom.store.keys import PairKeys
@@ -45,7 +46,7 @@ SHAPES = {
     "7b_shape_5_layers": (33, 4096, (0, 8, 16, 24, 32), False, 300),
     "7b_shape_all_layers": (33, 4096, None, False, 100),
 }
-PIECE_BYTES = 2 << 20  # the service's default (Settings.piece_bytes)
+PIECE_BYTES = Settings().piece_bytes  # the service's default
 
 
 def layout_conf(shape: str, per_group) -> PairConf:

@@ -137,10 +137,10 @@ class Settings(BaseSettings):
                              "leaves the checkpoints in flight, and it can be retried")
     shards: int = Field(32, ge=1, le=4096, description="Token shards of a new (collection, model) pair")
     chunk_bytes: int = Field(2 << 20, ge=1 << 16, description="Largest co-moment chunk value")
-    # A piece is one Redis command and every read waits behind it: 2 MiB keeps one well
-    # within the 50 ms a read may wait behind a command with several workers sharing
-    # Redis's cores (an AOF fsync stall can still push one past it); 8 MiB did not.
-    piece_bytes: int = Field(2 << 20, ge=1 << 16, description="Largest bytes one shard write carries")
+    # A piece is one Redis command (its records' HMGET, then their HSET) and every read
+    # waits behind it: 1 MiB keeps each well within the 50 ms a read may wait, with the
+    # host busy; 2 MiB pieces' HMGETs passed it there, and the apply is no slower for it.
+    piece_bytes: int = Field(1 << 20, ge=1 << 16, description="Largest bytes one shard write carries")
     # Token records are cut into groups of kept layers, each group's records within this
     # (fixed per generation when its configuration is created); see record_layout.py.
     record_bytes: int = Field(256 << 10, ge=1 << 12,

@@ -128,7 +128,7 @@ def checkpoint_health(client: redis.Redis) -> dict:
 
 
 class Checkpointer:
-    def __init__(self, client: redis.Redis, worker_id: str, piece_bytes: int = 2 << 20,
+    def __init__(self, client: redis.Redis, worker_id: str, piece_bytes: int = 1 << 20,
                  lock_ms: int = 30_000, horizon_ms: int = 3_600_000, lease_ms: int = 60_000,
                  max_segments: int = 8, retention_seconds: int = 7 * 24 * 3600):
         self.r = client
