@@ -63,11 +63,15 @@ def _run_in_child(job: Callable, args: tuple) -> Any:
 
 class RenderPool:
     """At most ``processes`` child processes that run render jobs; 0 runs them inline
-    with ``read`` and ``reader`` (the API's own)."""
+    with ``read`` and ``reader`` (the API's own). At most ``max_queued`` jobs run or wait
+    at once (0: no bound); one more is ``overloaded`` (429), so a burst of distinct
+    requests cannot queue drawings without end."""
 
     def __init__(self, processes: int, redis_url: str, store_timeout: float, nice: int = 0,
-                 read: Optional[Callable] = None, reader: Any = None):
+                 read: Optional[Callable] = None, reader: Any = None, max_queued: int = 0):
         self.processes = processes
+        self.max_queued = max_queued
+        self.queued = 0  # jobs running or waiting
         self._init_args = (os.getpid(), redis_url, store_timeout, nice)
         self._read, self._reader = read, reader
         self._pool: Optional[ProcessPoolExecutor] = None
@@ -76,6 +80,18 @@ class RenderPool:
 
     def run(self, job: Callable, *args) -> Any:
         """``job(read, reader, *args)`` in a child (or inline); its result or exception."""
+        with self._lock:
+            if self.max_queued and self.queued >= self.max_queued:
+                raise Overloaded(f"{self.queued} drawings are in progress or waiting; retry shortly",
+                                 reason="render_queue_full")
+            self.queued += 1
+        try:
+            return self._run(job, args)
+        finally:
+            with self._lock:
+                self.queued -= 1
+
+    def _run(self, job: Callable, args: tuple) -> Any:
         if self.processes <= 0:
             return job(self._read, self._reader, *args)
         for attempt in range(2):

@@ -38,7 +38,7 @@ from typing import Any, Callable, Hashable, Optional, Sequence
 from urllib.parse import quote, urlencode
 
 from embgeom import figures, reports
-from embgeom.errors import InvalidInput, NotFound
+from embgeom.errors import InvalidInput, NotFound, Overloaded
 from embgeom.report_page import ISOTROPY_COLUMNS, build_report
 from embgeom.stats import layer_summary
 from embgeom.store.conf import PairConf
@@ -379,7 +379,7 @@ class Renderer:
             return replace(rendered, hit=True)
         try:
             return self._in_background(query, lambda: self.once(key, drawn)).result(self.wait_seconds)
-        except FutureTimeout:
+        except (FutureTimeout, Overloaded):  # not drawn in time, or no room to draw it
             return replace(rendered, hit=True, stale=True)
 
     def _keep_newest(self, query: tuple, states: tuple, rendered: Rendered, started: float) -> None:

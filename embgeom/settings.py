@@ -24,7 +24,7 @@ __all__ = ["ModelSource", "Settings", "NOT_FOR_WORKERS"]
 NOT_FOR_WORKERS = frozenset({
     "api_key", "api_keys", "api_keys_file", "metrics_require_key", "max_body_bytes",
     "max_sync_bytes", "max_sync_runs", "model_load_wait_seconds", "render_cache_mb",
-    "render_max_stale_seconds", "render_nice", "render_processes", "render_wait_seconds", "url",
+    "render_max_queued", "render_max_stale_seconds", "render_nice", "render_processes", "render_wait_seconds", "url",
 })
 
 
@@ -184,6 +184,10 @@ class Settings(BaseSettings):
         2, ge=0, le=64, description="Child processes of each API process that draw figures and "
                                     "report pages (matplotlib off the API's interpreter); 0 draws "
                                     "on the API's thread pool")
+    render_max_queued: int = Field(
+        32, ge=1, description="Drawings of figures and report pages each API process runs or "
+                              "queues at once (identical requests share one); beyond, 429 "
+                              "overloaded")
     render_nice: int = Field(
         10, ge=0, le=19, description="Scheduling niceness of the render processes: token reads "
                                      "stay fast while pages are drawn where cores are short")

@@ -140,7 +140,8 @@ class Runtime:
                 if self._renderer is None:
                     s = self.settings
                     pool = RenderPool(s.render_processes, self.redis_url, s.store_timeout_seconds,
-                                      s.render_nice, read=self.read_sync, reader=self.reader)
+                                      s.render_nice, read=self.read_sync, reader=self.reader,
+                                      max_queued=s.render_max_queued)
                     self._renderer = Renderer(RenderCache(s.render_cache_mb << 20), pool,
                                               s.render_max_stale_seconds, s.render_wait_seconds)
         return self._renderer

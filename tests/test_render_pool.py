@@ -11,6 +11,9 @@ import textwrap
 import threading
 import time
 
+import pytest
+
+from embgeom.errors import Overloaded
 from embgeom.render_pool import RenderPool, SingleFlight
 from tests.test_lifetime import alive, assert_child_outlives_its_thread_not_its_parent, wait_gone
 
@@ -44,6 +47,28 @@ def test_no_render_processes_runs_jobs_inline():
     assert pool.run(lambda read, reader, x: (read, reader, x, os.getpid()), 1) == \
         ("read", "reader", 1, os.getpid())
     assert pool.pids() == []
+
+
+def test_drawings_beyond_the_bound_are_overloaded_and_the_bound_frees_up():
+    """max_queued=2: two drawings running or waiting, a third is 429 overloaded at once
+    (render_queue_full); once they end, drawings are taken again."""
+    release = threading.Event()
+    pool = RenderPool(0, "redis://127.0.0.1:9/0", 1.0, max_queued=2)
+    blocked = [threading.Thread(target=pool.run, args=(lambda read, reader: release.wait(10),))
+               for _ in range(2)]
+    for t in blocked:
+        t.start()
+    deadline = time.monotonic() + 10
+    while pool.queued < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    with pytest.raises(Overloaded) as refused:
+        pool.run(lambda read, reader: "drawn")
+    assert refused.value.detail.get("reason") == "render_queue_full"
+    release.set()
+    for t in blocked:
+        t.join()
+    assert pool.queued == 0 and pool.run(lambda read, reader: "drawn") == "drawn"
 
 
 def test_single_flight_runs_one_call_per_key_at_a_time():

@@ -12,7 +12,7 @@ import threading
 
 import pytest
 
-from embgeom.errors import NotFound
+from embgeom.errors import NotFound, Overloaded
 from embgeom.renders import RenderCache, Renderer, Rendered
 
 SCOPE = ("c", ("m",))
@@ -116,6 +116,20 @@ def test_a_drawing_that_fails_within_the_wait_is_reported():
 
     with pytest.raises(NotFound):
         r.serve(key(2), False, gone)
+
+
+def test_no_room_to_draw_is_answered_with_the_earlier_drawing():
+    """The render queue full (429 overloaded) while an earlier drawing exists: that one."""
+    r = renderer(wait=5.0)
+    r.serve(key(1), False, Drawing(1))
+
+    def full():
+        raise Overloaded("32 drawings are in progress or waiting", reason="render_queue_full")
+
+    answer = r.serve(key(2), False, full)
+    assert answer.content == b"page of version 1" and answer.stale
+    with pytest.raises(Overloaded):  # nothing drawn before: the 429 is the answer
+        renderer().serve(key(2), False, full)
 
 
 def test_an_older_drawing_ending_late_does_not_replace_a_newer_one():
