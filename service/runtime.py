@@ -82,10 +82,11 @@ class Runtime:
             return self.registry.info(model)
         return await run_in_threadpool(self.registry.info, model)
 
-    async def tokenizer(self, model: str):
-        if self.registry.tokenizer_loaded(model):
-            return self.registry.tokenizer(model)
-        return await run_in_threadpool(self.registry.tokenizer, model)
+    async def vocabulary(self, model: str):
+        """What reads need of ``model``'s tokenizer (:meth:`ModelRegistry.vocabulary`)."""
+        if self.registry.vocabulary_loaded(model):
+            return self.registry.vocabulary(model)
+        return await run_in_threadpool(self.registry.vocabulary, model)
 
     def read_sync(self, plan):
         """Run a read plan on the sync client (CPU-heavy reads, on the thread pool)."""

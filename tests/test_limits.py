@@ -476,15 +476,15 @@ def test_a_first_read_of_a_model_does_not_stall_other_requests(tmp_path_factory,
         assert page["status"] == 200 and page["seconds"] >= 1.5  # the read ran, off the loop
         assert healthz_s < 0.5, f"/healthz waited {healthz_s:.2f} s behind a model's first read"
         assert reads == [["minilm"]]  # configuration and tokenizer: one child
-        assert registry.tokenizer_loaded("minilm") and registry.info_loaded("minilm")
+        assert registry.vocabulary_loaded("minilm") and registry.info_loaded("minilm")
 
 
 def test_four_first_reads_of_smollm2_leave_healthz_fast(redis_server):
     """A model's first read waits for its configuration and tokenizer. Read in the API's
     process, transformers held the GIL while it parsed them (170 ms for SmolLM2's
     configuration, 230 ms for its tokenizer, each read four times by four first requests):
-    /healthz waited up to 815 ms over HTTP. A child reads them once now; what remains is
-    the unpickling of the tokenizer (about 100 ms on this machine). The collection does
+    /healthz waited up to 815 ms over HTTP. A child reads them once now and sends back the
+    vocabulary (token strings and markers), not the tokenizer. The collection does
     not exist (a 404 the read finds after the model's files): what is measured is the
     model's first read, not the page."""
     page = "/v1/collections/cold/models/smollm2/layers/15/tokens?limit=10000"
@@ -505,4 +505,4 @@ def test_four_first_reads_of_smollm2_leave_healthz_fast(redis_server):
         assert answers == [(404, "collection_not_found")] * 4  # checked after the model's read
         assert len(waits) >= 20, "the first read took under a fifth of a second: nothing was measured"
         assert max(waits) < 0.3, f"/healthz waited {max(waits) * 1000:.0f} ms behind the first reads"
-        assert c.app.state.runtime.registry.tokenizer_loaded("smollm2")
+        assert c.app.state.runtime.registry.vocabulary_loaded("smollm2")

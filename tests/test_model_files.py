@@ -15,6 +15,7 @@ import pytest
 
 from embgeom.compute import catalogue
 from embgeom.compute.catalogue import ModelRegistry
+from embgeom.compute.positions import Vocabulary, token_markers
 from embgeom.errors import ModelLoadError, UnknownModel
 from embgeom.settings import ModelSource
 from tests.conftest import test_settings
@@ -47,11 +48,15 @@ def test_a_child_reads_what_this_process_reads():
     here, child = ModelRegistry.from_settings(settings), in_child()
     assert child.info("minilm") == here.info("minilm")
     assert child.path("minilm") == here.path("minilm")
-    mine, theirs = here.tokenizer("minilm"), child.tokenizer("minilm")
-    ids = list(range(len(mine)))
+    mine, theirs = here.tokenizer("minilm"), child.vocabulary("minilm")
+    assert isinstance(theirs, Vocabulary)  # the token strings, not the tokenizer's model
+    ids = list(range(len(mine) + 2))
     assert theirs.convert_ids_to_tokens(ids) == mine.convert_ids_to_tokens(ids)
-    assert theirs(TEXT, return_special_tokens_mask=True) == mine(TEXT, return_special_tokens_mask=True)
-    assert child.tokenizer_loaded("minilm") and child.info_loaded("minilm")
+    assert theirs.get_vocab() == mine.get_vocab() and token_markers(theirs) == token_markers(mine)
+    assert child.vocabulary_loaded("minilm") and child.info_loaded("minilm")
+    # a model run in the API reads the whole tokenizer, in the API's process
+    whole = child.tokenizer("minilm")
+    assert whole(TEXT, return_special_tokens_mask=True) == mine(TEXT, return_special_tokens_mask=True)
 
 
 def test_concurrent_first_reads_start_one_child(monkeypatch):
@@ -64,7 +69,7 @@ def test_concurrent_first_reads_start_one_child(monkeypatch):
 
     monkeypatch.setattr(catalogue, "read_in_child", counted)
     registry = in_child()
-    calls_of = (registry.info, registry.tokenizer, registry.path, registry.info)
+    calls_of = (registry.info, registry.vocabulary, registry.path, registry.info)
     got: dict = {}
     readers = [threading.Thread(target=lambda i=i, f=f: got.__setitem__(i, f("minilm")))
                for i, f in enumerate(calls_of)]
@@ -73,7 +78,7 @@ def test_concurrent_first_reads_start_one_child(monkeypatch):
     for t in readers:
         t.join()
     assert calls == [["minilm"]]
-    assert len(got) == 4 and registry.tokenizer("minilm") is got[1] and got[0] is got[3]
+    assert len(got) == 4 and registry.vocabulary("minilm") is got[1] and got[0] is got[3]
     assert got[2] == registry.path("minilm")
 
 
@@ -112,8 +117,8 @@ def test_a_broken_model_in_a_listing_spoils_only_its_own_answer(tmp_path):
 def test_a_model_that_cannot_be_read_is_a_model_load_error(tmp_path):
     registry = in_child(gone=ModelSource(source=str(tmp_path / "missing")))
     with pytest.raises(ModelLoadError, match="does not exist") as err:
-        registry.tokenizer("gone")
-    assert err.value.type == "model_unavailable" and not registry.tokenizer_loaded("gone")
+        registry.vocabulary("gone")
+    assert err.value.type == "model_unavailable" and not registry.vocabulary_loaded("gone")
     with pytest.raises(UnknownModel):
         registry.info("never-registered")
 

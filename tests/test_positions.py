@@ -15,7 +15,7 @@ import pytest
 
 from embgeom.compute.positions import (
     WORD_KEY_BASE, batches_by_token_budget, canonical_token, encode, is_word_key, key_map,
-    lookup_key, pad_batch, string_hashes, token_markers, word_key_of_hash,
+    Vocabulary, lookup_key, pad_batch, string_hashes, token_markers, word_key_of_hash,
 )
 
 class Window(namedtuple("Window", "text_index input_ids keys counted")):
@@ -384,3 +384,26 @@ def test_padded_batch_holds_the_windows_and_nothing_else(tokenizer):
                                                                   enc.lengths), order)].sum())
 
 
+
+
+# ----------------------------------------------------------------------------- vocabulary
+
+@pytest.mark.parametrize("which", ["tokenizer", "bytelevel_tokenizer"])
+def test_a_vocabulary_answers_every_read_as_its_tokenizer(which, request):
+    """What the API keeps of a model (its token strings and markers) gives the same token
+    strings, vocabulary, key maps, markers and string lookups (tokens and hashed words) as
+    the whole tokenizer, for WordPiece (MiniLM) and byte-level BPE (SmolLM2)."""
+    tok = request.getfixturevalue(which)
+    vocab = Vocabulary.of(tok)
+    ids = list(range(len(tok) + 2))  # and two ids past the end: None, as the tokenizer
+    assert len(vocab) == len(tok)
+    assert vocab.convert_ids_to_tokens(ids) == tok.convert_ids_to_tokens(ids)
+    assert vocab.get_vocab() == tok.get_vocab()
+    assert token_markers(vocab) == token_markers(tok)
+    for key in ("id", "string"):
+        assert np.array_equal(key_map(vocab, key), key_map(tok, key))
+    names = tok.convert_ids_to_tokens(list(range(0, len(tok), 97))) + ["embeddings", "Ġand", "##ing", "zzqx"]
+    for key in ("id", "string"):
+        for unit in ("token", "word"):
+            assert [lookup_key(vocab, n, key, unit) for n in names] == \
+                [lookup_key(tok, n, key, unit) for n in names]

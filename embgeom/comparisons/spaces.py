@@ -151,7 +151,7 @@ class Spaces:
         shown = self.display(t, keys)
         if t.key_mode == "string":
             return shown
-        markers = token_markers(self.registry.tokenizer(t.space.model))
+        markers = token_markers(self.registry.vocabulary(t.space.model))
         return [canonical_token(s, markers) for s in shown]
 
     def display(self, t: SpaceTokens, keys: np.ndarray) -> list[str]:
@@ -159,15 +159,15 @@ class Spaces:
         tokenizer's own string under id keys, the canonical one under string keys, a
         word's name (:func:`~embgeom.reports.token_strings`)."""
         return self.run(reports.token_strings(self.reader, t.state,
-                                              self.registry.tokenizer(t.space.model), keys))
+                                              self.registry.vocabulary(t.space.model), keys))
 
     def same_vocabulary(self, a: str, b: str) -> bool:
         if a == b:
             return True
         key = tuple(sorted((a, b)))
         if key not in self._vocab_same:
-            va = self.registry.tokenizer(a).get_vocab()
-            vb = self.registry.tokenizer(b).get_vocab()
+            va = self.registry.vocabulary(a).get_vocab()
+            vb = self.registry.vocabulary(b).get_vocab()
             self._vocab_same[key] = va == vb
         return self._vocab_same[key]
 

@@ -1,5 +1,6 @@
 """The model catalogue: aliases and their sources, and what is known of a model before its
-weights load (its local folder, :class:`ModelInfo`, its tokenizer). No torch here, and
+weights load (its local folder, :class:`ModelInfo`, its tokenizer or what reads need of
+it, a :class:`~embgeom.compute.positions.Vocabulary`). No torch here, and
 transformers only where a model's files are read in this process: the API imports this
 module and reads the files in a child.
 
@@ -9,10 +10,12 @@ transformers holds the GIL there in long stretches of C code and garbage collect
 event loop, ``/healthz`` included, waits as long as the read: a large part of a second
 for a tokenizer, longer the larger its vocabulary.
 
-A child process reads them instead, once for every caller, and sends them back pickled.
-Unpickling the tokenizer still holds the GIL, for much less long (but still noticeably for
-a vocabulary as large as Gemma 3's). The child costs its start (importing transformers),
-once per model for the life of the process that asks.
+A child process reads them instead, once for every caller, and sends back the folder, the
+:class:`ModelInfo` and the vocabulary (token strings and subword markers), pickled: the
+API shows tokens, it never tokenizes text for a read, and a tokenizer's model is large
+(Gemma 3's: hundreds of MB in the process that holds it, its vocabulary a few dozen). The
+child costs its start (importing transformers), once per model for the life of the
+process that asks. A model run in the API (a probe) reads the whole tokenizer in-process.
 
     python -m embgeom.compute.catalogue   (the request pickled on stdin, the answer on stdout)
 """
@@ -59,7 +62,7 @@ class ModelInfo:
 class ModelRegistry:
     """Aliases -> sources, resolved lazily to local folders.
 
-    ``helper_env``: read a model's folder, configuration and tokenizer in a child process
+    ``helper_env``: read a model's folder, configuration and vocabulary in a child process
     with this environment (the API, whose event loop would otherwise wait while
     transformers holds the GIL), once per model, and keep all three. None reads them in
     this process (a worker, which tokenizes anyway).
@@ -76,6 +79,7 @@ class ModelRegistry:
         self._paths: dict[str, str] = {}
         self._infos: dict[str, ModelInfo] = {}
         self._tokenizers: dict[str, object] = {}
+        self._vocabularies: dict[str, object] = {}
 
     @classmethod
     def from_settings(cls, settings: Settings, files_in_child: bool = False) -> "ModelRegistry":
@@ -134,18 +138,27 @@ class ModelRegistry:
         self._infos[name] = info
         return info
 
-    def tokenizer(self, name: str, keep: bool = True):
-        """``name``'s tokenizer. ``keep``: cached for the registry's life (the API decodes
-        tokens of every model it reads; at most one per registered model). Without it, the
-        cached one if there is one, else a fresh one the caller owns: a worker's
-        tokenizers belong to its loaded models and leave with them (Gemma 3's holds about
-        300 MB), not to a cache that would keep every model the worker ever touched.
-        Read in a child (``helper_env``), it is always kept."""
-        cached = self._tokenizers.get(name)
+    def vocabulary(self, name: str):
+        """What reads need of ``name``'s tokenizer (token strings, markers), kept for the
+        registry's life (the API shows tokens of every model it reads). Read in a child
+        (``helper_env``): a :class:`~embgeom.compute.positions.Vocabulary`, a list where the
+        tokenizer holds its whole model (Gemma 3's: hundreds of MB); else the tokenizer."""
+        cached = self._vocabularies.get(name)
         if cached is not None:
             return cached
         if self._helper_env is not None:
-            return self._one_from_child(name).tokenizer
+            return self._one_from_child(name).vocabulary
+        return self._vocabularies.setdefault(name, self.tokenizer(name))
+
+    def tokenizer(self, name: str, keep: bool = True):
+        """``name``'s tokenizer, read in this process (a model run needs the whole of it;
+        reads need only :meth:`vocabulary`). ``keep``: cached for the registry's life.
+        Without it, the cached one if there is one, else a fresh one the caller owns: a
+        worker's tokenizers belong to its loaded models and leave with them, not to a cache
+        that would keep every model the worker ever touched."""
+        cached = self._tokenizers.get(name)
+        if cached is not None:
+            return cached
         from transformers import AutoTokenizer  # here: the API reads in a child, never imports it
 
         spec = self.source(name)
@@ -188,21 +201,21 @@ class ModelRegistry:
             for lock in locks:  # in name order, so two callers cannot deadlock
                 held.enter_context(lock)
             unread = {name: source for name, source in sources.items()
-                      if not (name in self._infos and name in self._tokenizers and name in self._paths)}
+                      if not (name in self._infos and name in self._vocabularies and name in self._paths)}
             answers = read_in_child(unread, self._cache_dir, self._max_window_tokens,
                                                 self._helper_env) if unread else {}
             for name, got in answers.items():
                 if isinstance(got, ModelFiles):
                     self._paths[name] = got.path
-                    self._tokenizers[name] = got.tokenizer
+                    self._vocabularies[name] = got.vocabulary
                     self._infos[name] = got.info  # last: info_loaded() means all three are here
         return {name: answers[name] if name in answers else
-                ModelFiles(self._paths[name], self._infos[name], self._tokenizers[name])
+                ModelFiles(self._paths[name], self._infos[name], self._vocabularies[name])
                 for name in names}
 
-    def tokenizer_loaded(self, name: str) -> bool:
-        """Whether :meth:`tokenizer` has ``name``'s cached (then it answers at once)."""
-        return name in self._tokenizers
+    def vocabulary_loaded(self, name: str) -> bool:
+        """Whether :meth:`vocabulary` has ``name``'s cached (then it answers at once)."""
+        return name in self._vocabularies
 
     def info_loaded(self, name: str) -> bool:
         """Whether :meth:`info` has ``name``'s cached (then it answers at once)."""
@@ -247,17 +260,19 @@ def _resolve_source(source: str, cache_dir: Path) -> str:
 @dataclass(frozen=True)
 class ModelFiles:
     """What :class:`ModelRegistry` keeps of a model before loading its weights: its local
-    folder, its :class:`ModelInfo`, its tokenizer."""
+    folder, its :class:`ModelInfo`, its :class:`~embgeom.compute.positions.Vocabulary`."""
 
     path: str
     info: object
-    tokenizer: object
+    vocabulary: object
 
 
 def read(name: str, source: ModelSource, cache_dir: Path, max_window_tokens: Optional[int]) -> ModelFiles:
     """:class:`ModelFiles` of ``name``, read in this process (what the child runs)."""
+    from embgeom.compute.positions import Vocabulary
+
     registry = ModelRegistry({name: source}, cache_dir, max_window_tokens)
-    return ModelFiles(registry.path(name), registry.info(name), registry.tokenizer(name))
+    return ModelFiles(registry.path(name), registry.info(name), Vocabulary.of(registry.tokenizer(name)))
 
 
 def read_in_child(sources: dict[str, ModelSource], cache_dir: Path, max_window_tokens: Optional[int],

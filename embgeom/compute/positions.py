@@ -61,7 +61,7 @@ import numpy as np
 from embgeom.keyspace import WORD_KEY_BASE, is_word_key
 
 __all__ = [
-    "KEY_MODES", "UNITS", "MARKERS", "WORD_KEY_BASE", "canonical_token", "token_markers",
+    "KEY_MODES", "UNITS", "MARKERS", "WORD_KEY_BASE", "canonical_token", "token_markers", "Vocabulary",
     "Encoded", "encode", "key_map", "lookup_key", "is_word_key", "word_key_of_hash",
     "string_hashes", "batches_by_token_budget", "PaddedBatch", "pad_batch",
 ]
@@ -104,6 +104,34 @@ def _cached(tokenizer, name: tuple, build: Callable[[], object]):
         return tables.setdefault(name, value)
 
 
+class Vocabulary:
+    """What the reads need of a tokenizer (a token's string, a string's key, the subword
+    markers): its token strings by id and its markers, a list where the tokenizer holds
+    its whole model (Gemma 3's: hundreds of MB). Answers as the tokenizer it was made of
+    for ``len``, ``convert_ids_to_tokens`` and ``get_vocab``, which is all the functions
+    of this module read."""
+
+    def __init__(self, tokens: Sequence[Optional[str]], markers: tuple[str, ...]):
+        self.tokens = list(tokens)
+        self.markers = tuple(markers)
+
+    @classmethod
+    def of(cls, tokenizer) -> "Vocabulary":
+        return cls(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))), _markers(tokenizer))
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[Optional[str]]:
+        """Each id's token string, None for an id past the vocabulary (as a fast tokenizer)."""
+        n, tokens = len(self.tokens), self.tokens
+        return [tokens[i] if 0 <= i < n else None for i in ids]
+
+    def get_vocab(self) -> dict[str, int]:
+        """Token string -> id (a string two ids share maps to the later, as the tokenizer's)."""
+        return {t: i for i, t in enumerate(self.tokens) if t is not None}
+
+
 def token_markers(tokenizer) -> tuple[str, ...]:
     """The subword marker a tokenizer writes, read from its fast backend (cached):
     ``("##",)`` for a WordPiece model, ``("Ġ",)`` for byte-level BPE, ``("▁",)`` for
@@ -114,6 +142,8 @@ def token_markers(tokenizer) -> tuple[str, ...]:
 
 def _markers(tokenizer) -> tuple[str, ...]:
     """:func:`token_markers`, uncached."""
+    if isinstance(tokenizer, Vocabulary):
+        return tokenizer.markers
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         return MARKERS

@@ -93,7 +93,7 @@ async def tokens(t: LayerTargetDep,
                      "string keys 'ing' names the same key), or a word of a word-unit "
                      "collection"))] = None):
     page = await t.rt.read(reports.token_page(
-        t.rt.reader, t.pair, t.layer, await t.rt.tokenizer(t.pair.model), order_by, desc, limit,
+        t.rt.reader, t.pair, t.layer, await t.rt.vocabulary(t.pair.model), order_by, desc, limit,
         cursor, reports.CountFilter(min_count, max_count), token))
     return FastJSON(page)
 
@@ -101,5 +101,5 @@ async def tokens(t: LayerTargetDep,
 @router.get("/{collection}/models/{model}/layers/{layer}/tokens/{token_id}", response_model=TokenDetail)
 async def token(t: LayerTargetDep, token_id: int):
     detail = await t.rt.read(reports.token_detail(
-        t.rt.reader, t.pair, t.layer, token_id, await t.rt.tokenizer(t.pair.model)))
+        t.rt.reader, t.pair, t.layer, token_id, await t.rt.vocabulary(t.pair.model)))
     return FastJSON(detail)

@@ -120,7 +120,7 @@ def export(t: LayerTargetDep,
     f = reports.CountFilter(min_count, max_count)
     rt = t.rt
     ex = rt.read_sync(exports.prepare(rt.reader, t.pair, t.layer, f, means,
-                                      rt.registry.tokenizer(t.pair.model)))
+                                      rt.registry.vocabulary(t.pair.model)))
     filename = f"{t.pair.collection}-{t.pair.model}-layer{t.layer}.{fmt}"
     headers = {"Content-Disposition": f'attachment; filename="{filename}"',
                "X-Embgeom-Version": str(ex.state.version), "X-Embgeom-Rows": str(ex.rows)}
