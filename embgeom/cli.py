@@ -214,8 +214,7 @@ def report_command(args) -> int:
     import httpx
 
     from embgeom.client import ApiError, EmbgeomClient
-    from embgeom.figures import FIGURES
-    from embgeom.renders import LAYER_FIGURES
+    from embgeom.figure_names import FIGURES, LAYER_FIGURES
 
     _quiet_http_logs()
     out = Path(args.out)

@@ -39,6 +39,7 @@ from urllib.parse import quote, urlencode
 
 from embgeom import figures, reports
 from embgeom.errors import InvalidInput, NotFound, Overloaded
+from embgeom.figure_names import FILTERED_FIGURES, LAYER_FIGURES
 from embgeom.report_page import ISOTROPY_COLUMNS, build_report
 from embgeom.stats import layer_summary
 from embgeom.store.conf import PairConf
@@ -52,9 +53,6 @@ __all__ = [
     "render_figure", "render_report", "report_figures", "report_links",
 ]
 
-# Figures of one layer (``?layer=`` required) and figures over the count-filtered types.
-LAYER_FIGURES = ("vm_scatter", "frequency", "spectrum")
-FILTERED_FIGURES = ("vm_scatter", "layer_summary", "decomposition", "within_ratio", "frequency")
 MAX_OVERLAID_MODELS = 8
 
 MEDIA_TYPES = {"png": "image/png", "svg": "image/svg+xml"}

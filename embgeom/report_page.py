@@ -31,7 +31,7 @@ import struct
 from datetime import datetime, timezone
 from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
-from embgeom.figures import FIGURES
+from embgeom.figure_names import FIGURES
 
 __all__ = ["build_report", "LAYER_COLUMNS", "ISOTROPY_COLUMNS"]
 

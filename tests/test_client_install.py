@@ -55,3 +55,6 @@ def test_the_base_install_is_the_client_without_torch(tmp_path):
     table = _run([venv / "bin" / "embgeom", "table", "--collection", "c", "--model", "minilm",
                   "--url", f"http://127.0.0.1:{free_port()}"], tmp_path)
     assert table.returncode == 1 and table.stderr.startswith("embgeom table:"), table.stderr
+    report = _run([venv / "bin" / "embgeom", "report", "--collection", "c", "--model", "minilm",
+                   "--out", tmp_path / "report", "--url", f"http://127.0.0.1:{free_port()}"], tmp_path)
+    assert report.returncode == 1 and report.stderr.startswith("embgeom report:"), report.stderr

@@ -43,13 +43,14 @@ from matplotlib.colors import LogNorm, Normalize
 from matplotlib.figure import Figure
 from matplotlib.ticker import FormatStrFormatter, MaxNLocator
 
+from embgeom.figure_names import FIGURES, FORMATS
+
 __all__ = [
     "FIGURES", "FORMATS", "DPI", "SIZES",
     "vm_scatter", "layer_summary", "decomposition", "within_ratio", "frequency",
     "isotropy", "outliers", "spectrum", "cka",
 ]
 
-FORMATS = ("png", "svg")
 DPI = 100
 SIZES: dict[str, tuple[float, float]] = {
     "vm_scatter": (7.0, 5.0),
@@ -64,19 +65,6 @@ SIZES: dict[str, tuple[float, float]] = {
 }
 RASTERIZE_ABOVE = 5000
 
-FIGURES: dict[str, str] = {
-    "vm_scatter": "V against M per token type at one layer, coloured by log10 n, "
-                  "with the least-squares line (paper Fig. 2)",
-    "layer_summary": "cv_Q, slope and R^2 of the V-on-M regression across layers (paper Fig. 4)",
-    "decomposition": "Q = M + V_W + V_B as stacked shares of Q per layer (paper Fig. 5)",
-    "within_ratio": "share of the variance that is within token types, V_W/V, per layer (paper Fig. 6)",
-    "frequency": "Q, M and V of each token type against log10 n at one layer (paper Fig. 7)",
-    "isotropy": "IsoScore, mean cosine similarity and effective rank across layers",
-    "outliers": "outlier dimensions (variance >= threshold x mean variance) across layers",
-    "spectrum": "sorted covariance eigenvalues of one layer and their cumulative explained variance",
-    "cka": "linear CKA of every pair of layers over every occurrence ingested (exact; collections "
-           "created with cross_layer)",
-}
 
 _SVG_SALT = "embgeom"
 _NO_DATA = "no data"

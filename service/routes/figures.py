@@ -21,7 +21,7 @@ from pydantic import WithJsonSchema
 from embgeom import exports, reports
 from embgeom.renders import MEDIA_TYPES, check_format, figure_params, render_figure, render_report
 from service.deps import LayerTargetDep, ModelDep, PairDep, RuntimeDep, _check_layer
-from embgeom import figures as figure_kinds
+from embgeom import figure_names as figure_kinds
 from service.schemas import MAX_INT, ErrorBody, documented
 
 router = APIRouter(prefix="/v1/collections/{collection}/models/{model}", tags=["figures"],

@@ -35,7 +35,7 @@ from service.geometry_schemas import (
     SteeringRequest, SteeringResult,
 )
 from service.limits import check_sync_texts
-from embgeom import figures as figure_kinds
+from embgeom import figure_names as figure_kinds
 from service.schemas import MAX_INT, MODEL_503, ErrorBody, FiniteQuery, documented
 
 router = APIRouter(prefix="/v1", tags=["geometry"],
