@@ -346,7 +346,7 @@ class Renderer:
         self.wait_seconds = wait_seconds
         self.flights = SingleFlight()
         self.drawn = 0  # draws run (pages and figures), hits and shared calls excluded
-        self._background: dict[Hashable, Future] = {}  # query -> its drawing in the background
+        self._background: dict[Hashable, tuple[tuple, Future]] = {}  # query -> (key, its drawing)
         self._lock = threading.Lock()
 
     def once(self, key: tuple, draw: Callable[[], Rendered]) -> Rendered:
@@ -375,10 +375,13 @@ class Renderer:
         states, rendered, _ = kept
         if states == key[1]:  # drawn at this version, not cached (a checkpoint was applying)
             return replace(rendered, hit=True)
+        drawing, future = self._in_background(query, key, lambda: self.once(key, drawn))
         try:
-            return self._in_background(query, lambda: self.once(key, drawn)).result(self.wait_seconds)
+            got = future.result(self.wait_seconds)
         except (FutureTimeout, Overloaded):  # not drawn in time, or no room to draw it
             return replace(rendered, hit=True, stale=True)
+        # a drawing begun for an earlier request: newer than the kept one, older than asked
+        return got if drawing == key else replace(got, stale=True)
 
     def _keep_newest(self, query: tuple, states: tuple, rendered: Rendered, started: float) -> None:
         """Keep ``rendered`` as the newest drawing of ``query`` unless a later snapshot's is
@@ -388,14 +391,16 @@ class Renderer:
             if kept is None or kept[0] <= states:
                 self.newest.put(query, (states, rendered, started), len(rendered.content))
 
-    def _in_background(self, query: tuple, run: Callable[[], Rendered]) -> Future:
-        """The drawing of ``query`` running in the background, started with ``run`` if
-        none is; it outlives the request that started it."""
+    def _in_background(self, query: tuple, key: tuple, run: Callable[[], Rendered]) -> tuple[tuple, Future]:
+        """``(key drawn, future)`` of the drawing of ``query`` running in the background,
+        started with ``run`` (drawing ``key``) if none is; it outlives the request that
+        started it."""
         with self._lock:
-            future = self._background.get(query)
-            if future is not None:
-                return future
-            future = self._background[query] = Future()
+            running = self._background.get(query)
+            if running is not None:
+                return running
+            future = Future()
+            self._background[query] = (key, future)
 
         def target():
             try:
@@ -406,7 +411,7 @@ class Renderer:
                 with self._lock:
                     del self._background[query]
         threading.Thread(target=target, name="render-background", daemon=True).start()
-        return future
+        return key, future
 
     def close(self) -> None:
         self.pool.close()

@@ -107,6 +107,19 @@ def test_concurrent_stale_requests_start_one_background_drawing():
     slow.release.set()
 
 
+def test_a_drawing_begun_for_an_earlier_version_is_marked_stale():
+    """A request for version 3 while version 2's drawing runs in the background: it waits
+    for that one (newer than the kept version 1) and gets it, marked stale."""
+    r = renderer(wait=0.05)
+    r.serve(key(1), False, Drawing(1))
+    slow = Drawing(2, released=False)
+    assert r.serve(key(2), False, slow).stale  # version 1, while 2 is drawn
+    r.wait_seconds = 5.0
+    threading.Timer(0.3, slow.release.set).start()
+    answer = r.serve(key(3), False, Drawing(3))
+    assert answer.content == b"page of version 2" and answer.stale
+
+
 def test_a_drawing_that_fails_within_the_wait_is_reported():
     r = renderer(wait=5.0)
     r.serve(key(1), False, Drawing(1))
