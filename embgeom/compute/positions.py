@@ -128,7 +128,7 @@ class Vocabulary:
         return [tokens[i] if 0 <= i < n else None for i in ids]
 
     def get_vocab(self) -> dict[str, int]:
-        """Token string -> id (a string two ids share maps to the later, as the tokenizer's)."""
+        """Token string -> id (equal to the tokenizer's for the packaged models: tests)."""
         return {t: i for i, t in enumerate(self.tokens) if t is not None}
 
 
