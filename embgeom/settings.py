@@ -24,7 +24,8 @@ __all__ = ["ModelSource", "Settings", "NOT_FOR_WORKERS"]
 NOT_FOR_WORKERS = frozenset({
     "api_key", "api_keys", "api_keys_file", "metrics_require_key", "max_body_bytes",
     "max_sync_bytes", "max_sync_runs", "model_load_wait_seconds", "render_cache_mb",
-    "render_max_queued", "render_max_stale_seconds", "render_nice", "render_processes", "render_wait_seconds", "url",
+    "render_max_queued", "render_max_stale_seconds", "render_nice", "render_processes",
+    "render_wait_seconds", "url",
 })
 
 
