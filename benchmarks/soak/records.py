@@ -75,6 +75,12 @@ class Http:
         with self.log.lock:
             self.log.latency[endpoint].append(ms)
             self.log.statuses[endpoint][r.status_code] += 1
+            if endpoint.endswith("/report") and r.status_code == 200:
+                # a first drawing of its version (miss) apart from the answers of one drawn
+                # before (hit, stale): the report page's target is about the latter
+                by_cache = f"{endpoint} (cache {r.headers.get('x-embgeom-cache', '?')})"
+                self.log.latency[by_cache].append(ms)
+                self.log.statuses[by_cache][r.status_code] += 1
             if r.status_code >= 500:
                 self.log.errors_5xx.append({"t": self.log.t(), "at": time.time(), "endpoint": endpoint,
                                             "path": path, "status": r.status_code,
