@@ -13,7 +13,7 @@ import threading
 import pytest
 
 from embgeom.errors import NotFound, Overloaded
-from embgeom.renders import RenderCache, Renderer, Rendered
+from embgeom.renders import RenderCache, Renderer, Rendered, _query
 
 SCOPE = ("c", ("m",))
 WHAT = ("report", "svg", None, 1, None)
@@ -55,17 +55,12 @@ def test_a_slow_drawing_is_answered_with_the_newest_drawn_marked_stale():
 
     slow.release.set()  # the drawing went on in the background and is kept for the next request
     for _ in range(200):
-        if r.newest.get(r_query(2))[0] == ((1, 2),):
+        if r.newest.get(_query(key(2)))[0] == ((1, 2),):
             break
         threading.Event().wait(0.01)
     again = r.serve(key(2), False, Drawing(99))
     assert again.content == b"page of version 2" and not again.stale
     assert slow.calls == 1
-
-
-def r_query(version: int) -> tuple:
-    scope, states, what = key(version)
-    return scope, (states[0][0],), what
 
 
 def test_a_drawing_done_within_the_wait_is_answered_fresh():
@@ -148,5 +143,5 @@ def test_no_room_to_draw_is_answered_with_the_earlier_drawing():
 def test_an_older_drawing_ending_late_does_not_replace_a_newer_one():
     r = renderer()
     r.serve(key(3), False, Drawing(3))
-    r._keep_newest(r_query(1), ((1, 1),), Rendered(b"page of version 1", {"version": 1}, None), 0.0)
-    assert r.newest.get(r_query(1))[0] == ((1, 3),)
+    r._keep_newest(_query(key(1)), ((1, 1),), Rendered(b"page of version 1", {"version": 1}, None), 0.0)
+    assert r.newest.get(_query(key(1)))[0] == ((1, 3),)
