@@ -69,7 +69,7 @@ REPO = Path(__file__).resolve().parent.parent
 TARGETS = {
     "e2e_cpu.ratio": (">=", 0.9),
     "e2e_cpu_20k.ratio": (">=", 0.95),
-    "store.apply_over_raw_redis": (">=", 0.5),
+    "store.apply_over_raw_redis": (">=", 0.6),
     "merge.merge_over_bare": (">=", 0.8),
     "steady_state.minilm.tok_s": (">=", 500_000),
     "steady_state.mpnet_shape.tok_s": (">=", 150_000),
@@ -216,14 +216,34 @@ def _percentile_ms(stats, name: str) -> Optional[float]:
     return None if value is None else float(value) / 1000
 
 
+# The niceness of the benchmark's Redis servers. On this 2-core host they share the CPU
+# with the load (replayed workers, the API under wrk): at the load's priority a command as
+# small as a GET waited 80 ms for a core (measured: the slowest command of the replay
+# 83 ms at niceness 0, 13 ms at -10, on the same run's data). A deployment gives Redis a
+# core of its own or, co-located, a priority above its workers (``embgeom serve`` runs
+# its embedded workers at niceness 10); this does the latter. Raising a priority needs
+# root (or CAP_SYS_NICE): without it the server keeps the load's, and the machine record
+# says which (``redis_nice``).
+REDIS_NICE = -10
+
+
+def redis_priority(pid: int) -> int:
+    """Set process ``pid``'s niceness to :data:`REDIS_NICE` where allowed; its niceness
+    after."""
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, pid, REDIS_NICE)
+    return os.getpriority(os.PRIO_PROCESS, pid)
+
+
 @contextlib.contextmanager
 def redis_server(slowest: Optional[Slowest] = None, where: str = "", prefix: str = "embgeom-bench-"):
     """A new Redis as the service starts its own (:class:`embgeom.store.server.RedisServer`:
-    AOF, ``appendfsync always``) in a temporary folder, and a client; ``slowest`` watches it
-    under the name ``where``."""
+    AOF, ``appendfsync always``) in a temporary folder, at :data:`REDIS_NICE`, and a
+    client; ``slowest`` watches it under the name ``where``."""
     from embgeom.store.connection import redis_client
 
     with private_redis(timeout=120, prefix=prefix) as server:
+        redis_priority(server.process.pid)
         client = redis_client(server.url)
         if slowest:
             slowest.watch(client, where)
@@ -1014,6 +1034,8 @@ def machine_summary(m: dict) -> str:
                          + [f"{k} {r[k]}" for k in ("appendonly", "appendfsync") if r.get(k)])
         if fs.get("type"):
             redis += f" on {fs['type']}" + (f" ({fs['mount']})" if fs.get("mount") else "")
+        if m.get("redis_nice") is not None:
+            redis += f" at niceness {m['redis_nice']}"
         parts.append(redis)
     parts += [f"{name} {m[name]}" for name in ("torch", "numpy") if m.get(name)]
     line = ", ".join(parts)
@@ -1077,8 +1099,9 @@ def main(argv=None) -> int:
     slowest = Slowest()
     res: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "quick": args.quick,
                  "cpus": os.cpu_count(), "sections": sorted(sections)}
-    with redis_server() as (_, client):  # the persistence every benchmark server runs with
-        res["machine"] = machine(client)
+    with redis_server() as (server, client):  # the persistence every benchmark server runs with
+        res["machine"] = {**machine(client),
+                          "redis_nice": os.getpriority(os.PRIO_PROCESS, server.process.pid)}
     t0 = time.perf_counter()
     repeat = args.repeat if not args.quick else 1
     lap = Lap(res.setdefault("section_s", {}))
