@@ -13,6 +13,7 @@ from service import auth as auth_doc
 from service import errors, metrics
 from service.auth import KeyTable
 from service.deps import require_api_key
+from service.fast_lane import FastLane
 from service.limits import BodyLimit, body_limit
 from service.schemas import ErrorBody
 from service.routes import collections, diagnostics, health, jobs, models
@@ -59,8 +60,9 @@ def create_app(settings: Optional[Settings] = None, runtime: Optional[Runtime] =
     )
     app.state.auth = auth
     errors.install(app)
-    # Before metrics: a middleware added later wraps the earlier ones, so the metrics
-    # also count what the body limit refuses.
+    # A middleware added later wraps the earlier ones: the fast lane sits inside the body
+    # limit and the metrics, which count what either answers.
+    app.add_middleware(FastLane, lanes=collections.FAST_LANES)
     app.add_middleware(BodyLimit, limit=body_limit(settings))
     metrics.install(app)
     app.include_router(health.router)

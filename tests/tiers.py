@@ -46,6 +46,7 @@ FILE_TIERS = {
 
     "test_api_errors.py": "service",
     "test_auth.py": "service",
+    "test_fast_lane.py": "service",
     "test_checkpoint_deadletter.py": "service",
     "test_fuzz.py": "service",
     "test_jobs_api.py": "service",

@@ -2,13 +2,13 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Optional
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Request
 from service.encoding import FastJSON
 
 from embgeom import reports
 from embgeom.errors import NotFound
 from embgeom.store.conf import CollectionSettings
-from service.deps import CollectionDep, LayerTargetDep, PairDep, RuntimeDep
+from service.deps import CollectionDep, LayerTargetDep, PairDep, RuntimeDep, layer_target
 from service.schemas import (
     MAX_INT, CollectionInfo, CollectionOut, CollectionSettingsIn, Decomposition, Deleted, ErrorBody,
     LayersOut, TokenDetail, TokenPage,
@@ -103,3 +103,17 @@ async def token(t: LayerTargetDep, token_id: int):
     detail = await t.rt.read(reports.token_detail(
         t.rt.reader, t.pair, t.layer, token_id, await t.rt.vocabulary(t.pair.model)))
     return FastJSON(detail)
+
+
+async def token_lane(request: Request, params: dict) -> Optional[FastJSON]:
+    """:func:`token` for :class:`service.fast_lane.FastLane`: its dependency and its
+    body called directly; None (the app answers) unless layer and token id are numbers."""
+    layer, token_id = params["layer"], params["token_id"]
+    if not (layer.isascii() and layer.isdigit() and token_id.isascii() and token_id.isdigit()):
+        return None
+    t = await layer_target(request, params["collection"], params["model"], int(layer))
+    return await token(t, int(token_id))
+
+
+# The routes service.fast_lane.FastLane serves, with their handlers.
+FAST_LANES = [(route, token_lane) for route in router.routes if route.endpoint is token]
