@@ -12,9 +12,15 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["WORD_KEY_BASE", "is_word_key"]
+__all__ = ["WORD_KEY_BASE", "is_key", "is_word_key"]
 
 WORD_KEY_BASE = 1 << 62
+
+
+def is_key(value: int) -> bool:
+    """Whether the integer ``value`` can be a key at all (an int64): one outside was never
+    seen, whatever a request names."""
+    return -(1 << 63) <= value < (1 << 63)
 
 
 def is_word_key(keys) -> np.ndarray:

@@ -220,6 +220,9 @@ def test_bad_reads(api):
         # tokens
         ("unseen token id", get(f"{t}/29999"), 404, "token_not_found"),
         ("negative token id", get(f"{t}/-1"), 404, "token_not_found"),
+        ("token id past int64", get(f"{t}/9223372036854775808"), 404, "token_not_found"),
+        ("token id far past int64", get(f"{t}/{10 ** 30}"), 404, "token_not_found"),
+        ("neighbors of a token id past int64", get(f"{t}/{10 ** 30}/neighbors"), 404, "token_not_found"),
         ("token id not an int", get(f"{t}/the"), 422, V),
         ("token string not in vocabulary", get(f"{t}?token=qqqzzzxxq"), 404, "token_not_in_vocabulary"),
         ("empty token string", get(f"{t}?token="), 404, "token_not_in_vocabulary"),

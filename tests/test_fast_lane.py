@@ -86,6 +86,8 @@ def test_every_answer_equals_the_full_apps(apps):
         ("GET", f"{BASE}/3/tokens/29999", READ),               # never seen: 404 token_not_found
         ("GET", f"{BASE}/7/tokens/{ids[0]}", READ),            # past the last layer: 404
         ("GET", f"{BASE}/99999999999999999999/tokens/1", READ),
+        ("GET", f"{BASE}/3/tokens/9223372036854775808", READ),     # past int64: never seen, 404
+        ("GET", f"{BASE}/3/tokens/-9223372036854775809", READ),
         ("GET", f"{BASE}/x/tokens/1", READ),                   # not a number: 422 from the app
         ("GET", f"{BASE}/-1/tokens/1", READ),
         ("GET", f"{BASE}/3/tokens/abc", READ),
@@ -109,6 +111,7 @@ def test_every_answer_equals_the_full_apps(apps):
     assert not differ, "\n".join(map(repr, differ))
     statuses = {answer(fast, m, p, h)[0] for m, p, h in cases}
     assert {200, 401, 403, 404, 405, 422} <= statuses  # the cases reach every outcome
+    assert 500 not in statuses
 
 
 def test_a_served_request_is_counted_under_its_route(apps):

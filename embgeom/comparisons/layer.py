@@ -15,6 +15,7 @@ from embgeom.comparisons.numbers import json_float, unit_rows
 from embgeom.comparisons.spaces import Space, SpaceTokens
 from embgeom.errors import InvalidInput, NotFound
 from embgeom.geometry import intrinsic
+from embgeom.keyspace import is_key
 
 __all__ = ["LayerMeasures"]
 
@@ -137,7 +138,7 @@ class LayerMeasures(Measures):
             self._candidates(t)
             where = np.searchsorted(t.keys, token_id)
             inside = where < t.keys.shape[0] and t.keys[where] == token_id
-            if t.state.empty:
+            if t.state.empty or not is_key(token_id):
                 n_q = 0.0
             elif inside:
                 n_q = float(t.n[where])

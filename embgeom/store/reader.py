@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from embgeom.keyspace import is_key
 from embgeom.store import codec
 from embgeom.store.conf import PairConf, shard_of
 from embgeom.store.keys import PairKeys
@@ -132,7 +133,10 @@ class Reader:
     def token(self, pair: PairKeys, key: int) -> Plan:
         """``(state, record)``: the pair's state and one token's ``(n, M (L,), m2 (L,),
         ||U||^2 (L,) or None)`` (None if never seen), in one round trip when the pair's
-        generation is the one last read."""
+        generation is the one last read; a key outside the key space was never seen."""
+        if not is_key(key):
+            state = yield from self.states.pair_state(pair)
+            return state, None
         state, replies = yield from self.states.pair_state_with(
             pair, lambda gen, conf: token_commands(pair.parts(gen), conf, key))
         if state.empty:
